@@ -1,0 +1,78 @@
+"""Turn a schedule into StepInputs: prefill rows first, then decode rows, each part
+ordered by adapter so every adapter's rows form one SGMV segment."""
+from __future__ import annotations
+
+import torch
+
+from app.engine.sequence import Sequence
+from app.model.inputs import LoraSegments, StepInputs
+from ops.attention import AttentionGroup
+
+
+def _attention_group(rows: list[tuple[Sequence, int, int]], block_size: int, num_tokens: int) -> AttentionGroup:
+    """rows: (sequence, first token row, tokens this step), all of one kind (prefill or decode)."""
+    max_q = max(n for _, _, n in rows)
+    max_ctx = max(s.num_computed + n for s, _, n in rows)
+    q_index = torch.full((len(rows), max_q), num_tokens, dtype=torch.long)
+    q_pos = torch.zeros(len(rows), max_q, dtype=torch.long)  # padding queries see key 0 only
+    kv_index = torch.zeros(len(rows), max_ctx, dtype=torch.long)
+    out_rows, out_index = [], []
+    for i, (seq, row, n) in enumerate(rows):
+        q_index[i, :n] = torch.arange(row, row + n)
+        q_pos[i, :n] = torch.arange(seq.num_computed, seq.num_computed + n)
+        ctx = torch.arange(seq.num_computed + n)
+        kv_index[i, : len(ctx)] = torch.tensor(seq.block_table)[ctx // block_size] * block_size + ctx % block_size
+        out_rows += range(row, row + n)
+        out_index += range(i * max_q, i * max_q + n)
+    mask = torch.arange(max_ctx)[None, None, :] <= q_pos[:, :, None]  # causal within each sequence
+    return AttentionGroup(q_index, kv_index, mask[:, None], torch.tensor(out_rows), torch.tensor(out_index))
+
+
+def _segments(order: list[tuple[Sequence, int]], pool) -> LoraSegments | None:
+    runs: list[list[int]] = []  # [slot, rows]
+    for seq, n in order:
+        if runs and runs[-1][0] == seq.lora_slot:
+            runs[-1][1] += n
+        else:
+            runs.append([seq.lora_slot, n])
+    slots = torch.tensor([slot for slot, _ in runs], dtype=torch.int32)
+    if not (slots >= 0).any():
+        return None
+    indptr = torch.tensor([0] + [n for _, n in runs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    per_module = {}
+    for m, has in pool.has_module.items():
+        per_module[m] = torch.where((slots >= 0) & has[slots.clamp(min=0).long()], slots, -1).to(torch.int32)
+    active = {m: bool((ids >= 0).any()) for m, ids in per_module.items()}
+    return LoraSegments(indptr, per_module, active)
+
+
+def build_step(scheduled: list[tuple[Sequence, int]], pool, block_size: int, device) -> tuple[StepInputs, list[Sequence]]:
+    """StepInputs for the schedule and the sequences whose next token is sampled (in row order)."""
+    by_adapter = lambda item: item[0].lora_slot  # noqa: E731
+    prefill = sorted([x for x in scheduled if x[1] > 1], key=by_adapter)
+    decode = sorted([x for x in scheduled if x[1] == 1], key=by_adapter)
+    order = prefill + decode
+    token_ids, positions, slot_mapping, sample_rows, sampled = [], [], [], [], []
+    groups = {"prefill": [], "decode": []}
+    for seq, n in order:
+        row, start = len(token_ids), seq.num_computed
+        ids = seq.token_ids()
+        token_ids += ids[start : start + n]
+        positions += range(start, start + n)
+        slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        groups["prefill" if n > 1 else "decode"].append((seq, row, n))
+        if start + n == seq.num_tokens:
+            sample_rows.append(row + n - 1)
+            sampled.append(seq)
+    attention = tuple(_attention_group(rows, block_size, len(token_ids)) for rows in groups.values() if rows)
+    lora = _segments(order, pool) if pool is not None else None
+    to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    inputs = StepInputs(
+        token_ids=to(torch.tensor(token_ids)),
+        positions=to(torch.tensor(positions)),
+        slot_mapping=to(torch.tensor(slot_mapping)),
+        attention=tuple(AttentionGroup(*(to(t) for t in vars(g).values())) for g in attention),
+        sample_rows=to(torch.tensor(sample_rows, dtype=torch.long)),
+        lora=lora if lora is None else LoraSegments(to(lora.indptr), {m: to(t) for m, t in lora.slot_ids.items()}, lora.active),
+    )
+    return inputs, sampled

@@ -1,0 +1,17 @@
+"""Engine configuration (one frozen dataclass; pydantic lives at the YAML/HTTP boundary)."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 32  # batch limit: requests running at once
+    max_tokens_per_step: int = 2048  # prefill + decode tokens in one forward pass
+    num_kv_blocks: int = 512
+    block_size: int = 16
+    max_loras: int = 8  # adapter slots resident at once
+    max_lora_rank: int = 16
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings

@@ -1,0 +1,127 @@
+"""The engine: add / abort requests, and step() = schedule → run → postprocess."""
+from __future__ import annotations
+
+import itertools
+import random
+
+from app.engine.batch import build_step
+from app.engine.config import EngineConfig
+from app.engine.detokenizer import Detokenizer
+from app.engine.kv_cache import BlockAllocator, allocate_kv
+from app.engine.sampler import sample
+from app.engine.scheduler import Scheduler, blocks_for
+from app.engine.sequence import Sequence
+from app.errors import ContextLengthError, InvalidRequestError
+from app.protocol import Chunk, GenerateRequest, Migrate, TokenChunk
+
+
+class EngineCore:
+    def __init__(self, model, adapters, tokenizer, config: EngineConfig):
+        self.model = model
+        self.adapters = adapters
+        self.tokenizer = tokenizer
+        self.config = config
+        c = model.cfg
+        self.max_model_len = config.max_model_len or c.max_position_embeddings
+        self.allocator = BlockAllocator(config.num_kv_blocks)
+        self.kv = allocate_kv(c.num_layers, config.num_kv_blocks, config.block_size, c.num_kv_heads, c.head_dim, config.dtype, config.device)
+        self.scheduler = Scheduler(config, self.allocator, model.lora_pool)
+        self._arrivals = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self.steps = 0
+        self.max_batch_seen = 0  # most requests in one forward pass
+
+    # -- requests -------------------------------------------------------------
+    def add(self, request: GenerateRequest, front: bool = False) -> None:
+        """Validate and queue; raises (before any compute) on unknown adapter or bad input."""
+        adapter = self.adapters.get(request.adapter) if request.adapter else None
+        self._validate(request)
+        seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
+        seq = Sequence(request, seed, next(self._arrivals), adapter)
+        seq.detok = Detokenizer(self.tokenizer, request.params.stop, seq.output_ids)
+        self._seqs[request.request_id] = seq
+        (self.scheduler.waiting.appendleft if front else self.scheduler.waiting.append)(seq)
+
+    def _validate(self, r: GenerateRequest) -> None:
+        if r.request_id in self._seqs:
+            raise InvalidRequestError(f"request id {r.request_id!r} is already running")
+        if not r.prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if any(not 0 <= t < self.model.cfg.vocab_size for t in (*r.prompt_token_ids, *r.resume_token_ids)):
+            raise InvalidRequestError("prompt holds token ids outside the vocabulary")
+        if r.params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer")
+        total = len(r.prompt_token_ids) + r.params.max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthError(
+                f"prompt ({len(r.prompt_token_ids)} tokens) + max_tokens ({r.params.max_tokens}) = {total} "
+                f"exceeds the model's context length {self.max_model_len}"
+            )
+        if blocks_for(total, self.config.block_size) > self.config.num_kv_blocks:
+            raise ContextLengthError(f"{total} tokens exceed this replica's KV cache ({self.config.num_kv_blocks} blocks)")
+
+    def abort(self, request_id: str) -> list[Chunk]:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return []
+        self._drop(seq)
+        return [self._chunk(seq, (), "", None, "abort")]
+
+    def has_work(self) -> bool:
+        return bool(self._seqs)
+
+    # -- the loop ---------------------------------------------------------------
+    def step(self) -> list[Chunk]:
+        plan = self.scheduler.schedule()
+        out: list[Chunk] = [self._migrate(seq) for seq in plan.preempted]
+        if plan.scheduled:
+            inputs, sampled = build_step(plan.scheduled, self.model.lora_pool, self.config.block_size, self.config.device)
+            logits = self.model.forward(inputs, self.kv)
+            for seq, n in plan.scheduled:
+                seq.num_computed += n
+            tokens, logprobs = sample(logits, sampled, self.model.cfg.eos_token_ids)
+            out += [self._postprocess(s, t, lp) for s, t, lp in zip(sampled, tokens, logprobs)]
+            self.steps += 1
+            self.max_batch_seen = max(self.max_batch_seen, len(plan.scheduled))
+        return out
+
+    def _postprocess(self, seq: Sequence, token: int, logprob: dict | None) -> TokenChunk:
+        seq.output_ids.append(token)
+        p = seq.params
+        past_min = len(seq.output_ids) >= p.min_tokens
+        stop_token = past_min and (token in p.stop_token_ids or (not p.ignore_eos and token in self.model.cfg.eos_token_ids))
+        visible = seq.output_ids[:-1] if stop_token else seq.output_ids  # a stop token is not text
+        text, stop_hit = seq.detok.update(visible, check_stop=past_min)
+        reason = "stop" if stop_token or stop_hit else "length" if len(seq.output_ids) >= p.max_tokens else None
+        if reason is not None:
+            text += "" if stop_hit else seq.detok.flush(visible)
+            self._drop(seq)
+        return self._chunk(seq, (token,), text, (logprob,) if logprob else None, reason)
+
+    def _chunk(self, seq, token_ids, text, logprobs, finish_reason) -> TokenChunk:
+        return TokenChunk(seq.request_id, token_ids, text, logprobs, finish_reason, len(seq.prompt_ids), len(seq.output_ids))
+
+    def _migrate(self, seq: Sequence) -> Migrate:
+        del self._seqs[seq.request_id]
+        return Migrate(seq.request_id, seq.prompt_ids, tuple(seq.output_ids), seq.seed, "kv_cache_exhausted")
+
+    def _drop(self, seq: Sequence) -> None:
+        del self._seqs[seq.request_id]
+        if seq in self.scheduler.running:
+            self.scheduler.running.remove(seq)
+        else:
+            self.scheduler.waiting.remove(seq)
+        self.scheduler.free(seq)
+
+    # -- introspection ------------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "max_batch": self.config.max_num_seqs,
+            "free_kv_blocks": self.allocator.num_free,
+            "total_kv_blocks": self.allocator.num_blocks,
+            "resident_adapters": [name for name, _ in self.model.lora_pool.resident()] if self.model.lora_pool else [],
+            "steps": self.steps,
+            "max_batch_seen": self.max_batch_seen,
+        }

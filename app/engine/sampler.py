@@ -1,0 +1,63 @@
+"""Token sampling: greedy, temperature, top-k, top-p, seeded, min_tokens, logprobs.
+
+Seeded sampling draws from a generator seeded by (seed, absolute position of the
+token), so a request resumed after a migration samples exactly what it would
+have sampled uninterrupted.
+"""
+from __future__ import annotations
+
+import torch
+
+from app.engine.sequence import Sequence
+
+_MASK64 = (1 << 63) - 1
+
+
+def _suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> None:
+    """Until min_tokens are out, EOS and stop token ids cannot be drawn."""
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if len(seq.output_ids) < p.min_tokens:
+            banned = [*p.stop_token_ids, *(() if p.ignore_eos else eos_ids)]
+            logits[i, [t for t in banned if t < logits.shape[1]]] = float("-inf")
+
+
+def _draw(row: torch.Tensor, seq: Sequence) -> int:
+    p = seq.params
+    row = row / p.temperature
+    if p.top_k:
+        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
+        probs = probs.scatter(0, idx[drop], 0.0)
+    gen = torch.Generator(device=row.device).manual_seed(hash((seq.seed, seq.num_tokens)) & _MASK64)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _logprobs(logprobs_row: torch.Tensor, token: int, n: int) -> dict:
+    top = torch.topk(logprobs_row, n) if n else None
+    return {
+        "token_id": token,
+        "logprob": float(logprobs_row[token]),
+        "top": [(int(i), float(v)) for v, i in zip(*top)] if top is not None else [],
+    }
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]):
+    """logits: [n, vocab] fp32, one row per sequence → (tokens, logprob dicts or None)."""
+    raw = logits
+    logits = logits.clone()
+    _suppress_stops(logits, seqs, eos_ids)
+    greedy = logits.argmax(dim=-1).tolist()
+    tokens = [greedy[i] if s.params.greedy else _draw(logits[i], s) for i, s in enumerate(seqs)]
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    info: list[dict | None] = [None] * len(seqs)
+    if want:
+        lp = torch.log_softmax(raw[want], dim=-1).cpu()
+        for j, i in enumerate(want):
+            info[i] = _logprobs(lp[j], tokens[i], seqs[i].params.logprobs)
+    return tokens, info

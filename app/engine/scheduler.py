@@ -1,0 +1,91 @@
+"""Continuous batching: FCFS admission bounded by batch size, tokens per step,
+free KV blocks and adapter slots; preempt the newest request when KV runs out."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from app.engine.config import EngineConfig
+from app.engine.kv_cache import BlockAllocator
+from app.engine.sequence import Sequence
+
+
+@dataclass
+class Schedule:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, pool):
+        self.config = config
+        self.allocator = allocator
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order, oldest first
+
+    def schedule(self) -> Schedule:
+        out = Schedule()
+        budget = self.config.max_tokens_per_step
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted while making room for an older one
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if self._grow(seq, n, out):
+                out.scheduled.append((seq, n))
+                budget -= n
+        self._admit(out, budget)
+        return out
+
+    def free(self, seq: Sequence) -> None:
+        """Return a request's KV blocks and adapter pin (finish, abort, preemption)."""
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        if seq.lora_slot >= 0:
+            self.pool.release((seq.adapter.name, seq.adapter.version))
+            seq.lora_slot = -1
+
+    def _grow(self, seq: Sequence, n: int, out: Schedule) -> bool:
+        """Give ``seq`` blocks for n more tokens, preempting the newest requests if needed."""
+        need = blocks_for(seq.num_computed + n, self.config.block_size) - len(seq.block_table)
+        while need > self.allocator.num_free:
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        seq.block_table += self.allocator.allocate(max(need, 0))
+        return True
+
+    def _preempt(self, seq: Sequence, out: Schedule) -> None:
+        self.running.remove(seq)
+        out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
+        self.free(seq)
+        out.preempted.append(seq)
+
+    def _admit(self, out: Schedule, budget: int) -> None:
+        """FCFS; a request whose adapter has no free slot waits without blocking others."""
+        skipped = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.popleft()
+            if blocks_for(seq.num_tokens + 1, self.config.block_size) > self.allocator.num_free:
+                self.waiting.appendleft(seq)
+                break
+            if seq.adapter is not None:
+                slot = self.pool.acquire(seq.adapter)
+                if slot is None:
+                    skipped.append(seq)
+                    continue
+                seq.lora_slot = slot
+            n = min(seq.num_uncomputed, budget)
+            seq.block_table = self.allocator.allocate(blocks_for(n, self.config.block_size))
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))

@@ -1,0 +1,27 @@
+"""Everything one forward step needs, built once per step and reused by every layer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ops.attention import AttentionGroup
+
+
+@dataclass(frozen=True)
+class LoraSegments:
+    """Token rows cut into runs of one adapter; per module, the slot each run uses (−1: none)."""
+
+    indptr: torch.Tensor  # [segments + 1] int32
+    slot_ids: dict[str, torch.Tensor]  # module -> [segments] int32
+    active: dict[str, bool]  # module -> any segment uses it (host-side, so no sync)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    token_ids: torch.Tensor  # [tokens] int64
+    positions: torch.Tensor  # [tokens] int64
+    slot_mapping: torch.Tensor  # [tokens] int64 flat KV slot each token writes
+    attention: tuple[AttentionGroup, ...]
+    sample_rows: torch.Tensor  # [n] token rows whose logits are sampled
+    lora: LoraSegments | None  # None: no token in this step uses an adapter

@@ -1,0 +1,93 @@
+"""What flows between ingress, replica and engine: requests in, chunks out."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from app.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; n = chosen token + top-n alternatives
+
+    def __post_init__(self):
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.temperature >= 0.0, "temperature must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequestError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation. ``resume_token_ids`` are tokens already generated elsewhere
+    (before a migration): they are recomputed by prefill, count towards
+    max_tokens / min_tokens and take part in stop-string matching, but are not
+    streamed again."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None
+    resume_token_ids: tuple[int, ...] = ()
+
+    def resumed(self, migrate: "Migrate") -> "GenerateRequest":
+        """The request to re-submit after ``migrate`` (same id, params and seed)."""
+        params = dataclasses.replace(self.params, seed=migrate.seed)
+        return dataclasses.replace(self, params=params, resume_token_ids=migrate.output_token_ids)
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """New tokens of one request; ``finish_reason`` set on its last chunk."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str = ""
+    logprobs: tuple[dict, ...] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Migrate:
+    """The request left this engine unfinished (KV exhausted, replica draining):
+    re-submit it with ``GenerateRequest.resumed`` here or elsewhere."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    seed: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ErrorChunk:
+    request_id: str
+    message: str
+    status: int = 500
+
+
+Chunk = TokenChunk | Migrate | ErrorChunk

@@ -1,0 +1,51 @@
+"""Attention over a paged KV cache.
+
+The engine builds one ``AttentionGroup`` per kind of sequence (prefill, decode)
+once per step; every layer reuses it. A group pads its sequences to a common
+query / context length, gathers their KV blocks through the block tables and
+runs one masked SDPA call — prefill and decode are kept apart so a long prompt
+does not pad every decode row.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    q_index: torch.Tensor  # [seqs, max_q] token row per query slot; padding → tokens (a zero row)
+    kv_index: torch.Tensor  # [seqs, max_ctx] flat KV cache slot per key; padding → 0
+    mask: torch.Tensor  # [seqs, 1, max_q, max_ctx] bool, True = attend
+    out_rows: torch.Tensor  # [n] token rows this group produces
+    out_index: torch.Tensor  # [n] flat index into [seqs * max_q] for those rows
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """k_cache/v_cache[slot_mapping[t]] = k/v[t], in place.
+
+    caches: [blocks, block_size, kv_heads, head_dim]; k, v: [tokens, kv_heads, head_dim];
+    slot_mapping: [tokens] int64 flat slot (block * block_size + offset).
+    """
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
+
+
+def paged_attention(out, q, k_cache, v_cache, groups, scale):
+    """out[t] = softmax(q[t] K^T * scale + mask) V over each token's own sequence.
+
+    out: [tokens, heads, head_dim] written in place; q: [tokens, heads, head_dim];
+    caches: [blocks, block_size, kv_heads, head_dim] (already holding this step's KV).
+    Grouped-query attention: heads is a multiple of kv_heads.
+    """
+    q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row `tokens` = padding
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    for g in groups:
+        qg = q_pad[g.q_index].transpose(1, 2)  # [seqs, heads, max_q, d]
+        kg = k_flat[g.kv_index].transpose(1, 2)  # [seqs, kv_heads, max_ctx, d]
+        vg = v_flat[g.kv_index].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(-1, *q.shape[1:])  # [seqs * max_q, heads, d]
+        out[g.out_rows] = o[g.out_index]
+    return out
