@@ -1,0 +1,146 @@
+"""The engine on its own thread, streaming chunks to asyncio callers.
+
+Only the engine thread touches EngineCore: callers post adds and aborts to an
+inbox; chunks go back through each request's asyncio queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import AsyncIterator
+
+from app.engine.core import EngineCore
+from app.protocol import Chunk, ErrorChunk, GenerateRequest, Migrate, TokenChunk
+
+log = logging.getLogger(__name__)
+
+
+class _Stream:
+    def __init__(self, request: GenerateRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.loop = loop
+        self.queue: asyncio.Queue[Chunk] = asyncio.Queue()
+
+    def put(self, chunk: Chunk) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, chunk)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, migrate_locally: bool = True):
+        """migrate_locally: a preempted request is re-queued here (front of the queue)
+        instead of ending its stream with a Migrate chunk for the caller to re-route."""
+        self.core = core
+        self.migrate_locally = migrate_locally
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self.snapshot = core.stats()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side (any thread with an event loop) -----------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        """Chunks of one request until it finishes, errors or migrates. Validation errors
+        raise here before the first chunk; leaving the iterator early aborts the request."""
+        stream = _Stream(request, asyncio.get_running_loop())
+        accepted: Future = Future()
+        self._post(("add", stream, accepted))
+        await asyncio.wrap_future(accepted)
+        finished = False
+        try:
+            while True:
+                chunk = await stream.queue.get()
+                yield chunk
+                if isinstance(chunk, (Migrate, ErrorChunk)) or chunk.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def call(self, fn, *args):
+        """Run fn(core, *args) on the engine thread (e.g. to register an adapter); a Future."""
+        done: Future = Future()
+        self._post(("call", fn, args, done))
+        return done
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _post(self, item) -> None:
+        self._inbox.put(item)
+        self._wake.set()
+
+    # -- engine thread --------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.core.has_work():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                chunks = self.core.step()
+            except Exception as exc:  # a failed step must not strand any stream
+                log.exception("engine step failed")
+                chunks = self._fail_all(exc)
+            self.snapshot = self.core.stats()
+            for chunk in chunks:
+                self._deliver(chunk)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "add":
+                self._add(item[1], item[2])
+            elif item[0] == "abort":
+                for chunk in self.core.abort(item[1]):
+                    self._deliver(chunk)
+            else:
+                self._call(*item[1:])
+
+    def _add(self, stream: _Stream, accepted: Future) -> None:
+        try:
+            self.core.add(stream.request)
+        except Exception as exc:
+            accepted.set_exception(exc)
+            return
+        self._streams[stream.request.request_id] = stream
+        accepted.set_result(None)
+
+    def _call(self, fn, args, done: Future) -> None:
+        try:
+            done.set_result(fn(self.core, *args))
+        except Exception as exc:
+            done.set_exception(exc)
+
+    def _deliver(self, chunk: Chunk) -> None:
+        stream = self._streams.get(chunk.request_id)
+        if stream is None:
+            return
+        if isinstance(chunk, Migrate) and self.migrate_locally:
+            stream.request = stream.request.resumed(chunk)
+            self.core.add(stream.request, front=True)
+            return
+        if isinstance(chunk, (Migrate, ErrorChunk)) or chunk.finish_reason is not None:
+            del self._streams[chunk.request_id]
+        stream.put(chunk)
+
+    def _fail_all(self, exc: Exception) -> list[Chunk]:
+        failed = []
+        for request_id in list(self._streams):
+            self.core.abort(request_id)
+            failed.append(ErrorChunk(request_id, f"engine failure: {exc}", 500))
+        return failed

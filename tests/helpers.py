@@ -1,0 +1,81 @@
+"""Test fixtures made on the fly: a tiny random Llama with GQA, random PEFT adapters,
+and the HF transformers + PEFT reference generation."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from app.protocol import GenerateRequest, Migrate, TokenChunk
+
+
+def make_tiny_llama(path: Path, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_random_adapter(model_dir: Path, out: Path, rank: int, targets, alpha=None, rslora=False, seed=0) -> Path:
+    """A PEFT LoRA adapter with random (non-zero) A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
+                     use_rslora=rslora, init_lora_weights=False, lora_dropout=0.0)
+    model = get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3 / rank**0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def hf_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens from HF transformers (+ PEFT), built fresh for this adapter."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def run_to_completion(engine, requests: dict[int, list[GenerateRequest]], on_migrate=None, max_steps=10_000):
+    """Drive EngineCore.step(); requests[k] join before step k. Returns (tokens by id, finish reasons, migrates)."""
+    tokens, reasons, migrates = {}, {}, []
+    step = 0
+    while engine.has_work() or any(k >= step for k in requests):
+        for req in requests.get(step, []):
+            engine.add(req)
+            tokens.setdefault(req.request_id, [])
+        for chunk in engine.step():
+            if isinstance(chunk, Migrate):
+                migrates.append(chunk)
+                if on_migrate:
+                    on_migrate(chunk)
+            elif isinstance(chunk, TokenChunk):
+                tokens[chunk.request_id] += chunk.token_ids
+                if chunk.finish_reason:
+                    reasons[chunk.request_id] = chunk.finish_reason
+        step += 1
+        assert step < max_steps, "engine did not finish"
+    return tokens, reasons, migrates
