@@ -43,7 +43,8 @@ def make_random_adapter(model_dir: Path, out: Path, rank: int, targets, alpha=No
     return out
 
 
-def hf_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int,
+              ignore_eos: bool = False) -> list[int]:
     """Greedy tokens from HF transformers (+ PEFT), built fresh for this adapter."""
     from transformers import AutoModelForCausalLM
 
@@ -53,6 +54,8 @@ def hf_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_
 
         model = PeftModel.from_pretrained(model, adapter_dir)
     model.eval()
+    if ignore_eos:
+        model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
