@@ -34,6 +34,7 @@ class LoraPool:
         self.B = {m: torch.zeros(L, S, R, d_out, **alloc) for m, (_, d_out) in shape.dims.items()}
         self.ranks = torch.zeros(S, dtype=torch.int32, device=config.device)
         self.scales = torch.zeros(S, dtype=torch.float32, device=config.device)
+        self.slot_rank, self.slot_scale = [0] * S, [0.0] * S  # host mirrors: batches are planned on the host
         # has_module[m][slot]: the adapter in the slot targets module m (else its segments skip m)
         self.has_module = {m: torch.zeros(S, dtype=torch.bool) for m in shape.dims}
         self._slot_of: OrderedDict[AdapterKey, int] = OrderedDict()  # LRU order, oldest first
@@ -88,4 +89,5 @@ class LoraPool:
             self.has_module[m][slot] = True
         self.ranks[slot] = r
         self.scales[slot] = weights.manifest.scale
+        self.slot_rank[slot], self.slot_scale[slot] = r, weights.manifest.scale
         self.loads += 1

@@ -38,13 +38,15 @@ def _segments(order: list[tuple[Sequence, int]], pool) -> LoraSegments | None:
     slots = torch.tensor([slot for slot, _ in runs], dtype=torch.int32)
     if not (slots >= 0).any():
         return None
-    indptr = torch.tensor([0] + [n for _, n in runs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    per_module = {}
+    bounds = [0]
+    for _, n in runs:
+        bounds.append(bounds[-1] + n)
+    per_module, host = {}, {}
     for m, has in pool.has_module.items():
         per_module[m] = torch.where((slots >= 0) & has[slots.clamp(min=0).long()], slots, -1).to(torch.int32)
-    active = {m: bool((ids >= 0).any()) for m, ids in per_module.items()}
-    return LoraSegments(indptr, per_module, active)
-
+        host[m] = tuple((bounds[i], bounds[i + 1], s, pool.slot_rank[s], pool.slot_scale[s])
+                        for i, s in enumerate(per_module[m].tolist()) if s >= 0)
+    return LoraSegments(torch.tensor(bounds, dtype=torch.int32), per_module, host)
 
 def build_step(scheduled: list[tuple[Sequence, int]], pool, block_size: int, device) -> tuple[StepInputs, list[Sequence]]:
     """StepInputs for the schedule and the sequences whose next token is sampled (in row order)."""
@@ -73,6 +75,6 @@ def build_step(scheduled: list[tuple[Sequence, int]], pool, block_size: int, dev
         slot_mapping=to(torch.tensor(slot_mapping)),
         attention=tuple(AttentionGroup(*(to(t) for t in vars(g).values())) for g in attention),
         sample_rows=to(torch.tensor(sample_rows, dtype=torch.long)),
-        lora=lora if lora is None else LoraSegments(to(lora.indptr), {m: to(t) for m, t in lora.slot_ids.items()}, lora.active),
+        lora=lora if lora is None else LoraSegments(to(lora.indptr), {m: to(t) for m, t in lora.slot_ids.items()}, lora.host),
     )
     return inputs, sampled

@@ -14,7 +14,7 @@ class LoraSegments:
 
     indptr: torch.Tensor  # [segments + 1] int32
     slot_ids: dict[str, torch.Tensor]  # module -> [segments] int32
-    active: dict[str, bool]  # module -> any segment uses it (host-side, so no sync)
+    host: dict[str, tuple]  # module -> ((lo, hi, slot, rank, scale), ...) of segments that use it
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,9 @@ class LlamaModel:
             return y
         offset = 0
         for m in FUSED[fused][1]:
-            if lora.active[m]:
+            if lora.host[m]:
                 pool = self.lora_pool
-                add_lora(y, x, pool.A[m][i], pool.B[m][i], lora.indptr, lora.slot_ids[m], pool.ranks, pool.scales, offset)
+                add_lora(y, x, pool.A[m][i], pool.B[m][i], lora.indptr, lora.slot_ids[m], pool.ranks, pool.scales,
+                         offset, host_segments=lora.host[m])
             offset += self._out_dims[m]
         return y
