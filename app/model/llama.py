@@ -21,12 +21,13 @@ class LlamaModel:
         self.lora_pool = lora_pool
         self.dtype = weights.embed.dtype
         self.scale = cfg.head_dim**-0.5
+        self.inv_freq = cfg.inv_freq.to(weights.embed.device)
         self._out_dims = {m: d_out for m, (_, d_out) in cfg.module_dims.items()}
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Logits [n, vocab] (fp32) for ``inp.sample_rows``; writes this step's KV into kv_caches."""
-        cos, sin = rope_cos_sin(inp.positions, self.cfg.inv_freq.to(inp.positions.device), self.cfg.rope_scaling, self.dtype)
+        cos, sin = rope_cos_sin(inp.positions, self.inv_freq, self.cfg.rope_scaling, self.dtype)
         h = self.w.embed[inp.token_ids]  # h: [tokens, hidden]
         for i, layer in enumerate(self.w.layers):
             x = rms_norm(h, layer.input_norm, self.cfg.rms_norm_eps)
