@@ -1,0 +1,231 @@
+"""Punica Fig. 8/9 on one GPU: latency of one LoRA add-on (y += x A B) against batch size.
+
+On the device:  python benchmarks/sgmv.py --out benchmarks/results/sgmv_h200.json
+Anywhere:       python benchmarks/sgmv.py --plot-only [--peers ../shared/anchors/sgmv_peers_h200.json]
+
+Method (same as the peer figures): adapter pool of 512 slots, h=4096, fp16;
+each variant is captured as a one-add-on CUDA graph and replayed behind an L2
+flush (a 256 MiB write); the median of CUDA-event timings is reported. The
+floor is the bytes that must move (x, each distinct adapter's A and B once, y
+read and written) over the device-to-device copy bandwidth measured here.
+"""
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from ops import sgmv  # noqa: E402
+
+RANKS = (8, 16, 32, 64)
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+WORKLOADS = ("distinct", "uniform", "skewed", "identical")
+PREFILL = [(r, w, t) for r in (16, 64) for w in ("identical", "uniform") for t in (512, 2048, 8192)]
+H, POOL, ZIPF, REPS = 4096, 512, 1.5, 100
+RESULT = pathlib.Path(__file__).parent / "results" / "sgmv_h200.json"
+
+
+def request_adapters(workload, batch, rng):
+    if workload == "distinct":
+        return np.arange(batch)
+    if workload == "uniform":
+        return rng.integers(0, math.ceil(math.sqrt(batch)), batch)
+    if workload == "skewed":
+        p = 1.0 / np.arange(1, batch + 1) ** ZIPF
+        return rng.choice(batch, batch, p=p / p.sum())
+    return np.zeros(batch, dtype=np.int64)
+
+
+class Case:
+    """One batch: rows grouped by adapter into segments, adapters on random pool slots."""
+
+    def __init__(self, rank, workload, batch, rng, pool):
+        ids, counts = np.unique(request_adapters(workload, batch, rng), return_counts=True)
+        self.slots = [int(s) for s in rng.choice(POOL, len(ids), replace=False)]
+        self.bounds = np.cumsum([0, *counts]).tolist()
+        self.rank, self.batch, self.A, self.B = rank, batch, pool[0], pool[1]
+        self.ranks = torch.full((POOL,), rank, dtype=torch.int32, device="cuda")
+        self.scales = torch.rand(POOL, device="cuda") + 0.5
+        self.indptr = torch.tensor(self.bounds, dtype=torch.int32, device="cuda")
+        self.slot_ids = torch.tensor(self.slots, dtype=torch.int32, device="cuda")
+        self.row_slots = torch.repeat_interleave(self.slot_ids.long(), torch.tensor(counts, device="cuda"))
+        self.x = torch.randn(batch, H, device="cuda", dtype=torch.float16)
+        self.y = torch.randn(batch, H, device="cuda", dtype=torch.float16)
+        self.v = torch.empty(batch, rank, device="cuda")
+
+    def segs(self):
+        return self.indptr, self.slot_ids, self.ranks
+
+    def ours(self, prefetch=True):
+        sgmv.add_lora(self.y, self.x, self.A, self.B, *self.segs(), self.scales, prefetch=prefetch)
+
+    def ours_2launch(self):
+        sgmv.sgmv_shrink(self.v, self.x, self.A, *self.segs())
+        sgmv.sgmv_expand(self.y, self.v, self.B, *self.segs(), self.scales)
+
+    def loop(self):
+        for slot, lo, hi in zip(self.slots, self.bounds[:-1], self.bounds[1:]):
+            self.y[lo:hi] += (self.x[lo:hi] @ self.A[slot].T @ self.B[slot]) * self.scales[slot]
+
+    def gather_bmm(self):
+        v = torch.bmm(self.x[:, None, :], self.A[self.row_slots].transpose(1, 2))
+        self.y += torch.bmm(v, self.B[self.row_slots])[:, 0] * self.scales[self.row_slots, None]
+
+    def floor_bytes(self):
+        return 2 * (self.x.numel() + 2 * self.y.numel() + 2 * len(self.slots) * self.rank * H)
+
+
+def time_graph(fn, flush, reps=REPS):
+    """Median µs of one replay of `fn` captured as a graph, L2 flushed before each replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return 1e3 * float(np.median([s.elapsed_time(e) for s, e in events]))
+
+
+def copy_bandwidth():
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_graph(lambda: dst.copy_(src), torch.empty(0, device="cuda"), reps=20)
+    return 2 * src.numel() / (us * 1e-6)
+
+
+def check(case):
+    """ours must equal the Loop baseline before its time is worth reporting."""
+    y0 = case.y.clone()
+    case.ours()
+    ours = case.y.float() - y0.float()
+    case.y.copy_(y0)
+    case.loop()
+    ref = case.y.float() - y0.float()
+    case.y.copy_(y0)
+    err = float((ours - ref).norm() / ref.norm())
+    assert err < 2e-2, f"r={case.rank} B={case.batch}: rel err {err:.1e}"
+
+
+def run(out):
+    rng = np.random.default_rng(0)
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    bw = copy_bandwidth()
+    null_us = time_graph(lambda: torch.cuda._sleep(0), flush)
+    rows, prefill = [], []
+    for rank in RANKS:
+        pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
+                torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
+        for workload in WORKLOADS:
+            for batch in BATCHES:
+                case = Case(rank, workload, batch, rng, pool)
+                check(case)
+                row = dict(rank=rank, workload=workload, batch=batch, num_adapters=len(case.slots),
+                           ours_us=time_graph(case.ours, flush),
+                           ours_noprefetch_us=time_graph(lambda: case.ours(prefetch=False), flush),
+                           ours_2launch_us=time_graph(case.ours_2launch, flush),
+                           loop_us=time_graph(case.loop, flush),
+                           gather_bmm_us=time_graph(case.gather_bmm, flush),
+                           floor_us=case.floor_bytes() / bw * 1e6)
+                rows.append(row)
+                print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                      flush=True)
+        for r, workload, tokens in PREFILL:
+            if r == rank:
+                case = Case(rank, workload, tokens, rng, pool)
+                check(case)
+                prefill.append(dict(rank=rank, workload=workload, tokens=tokens, num_adapters=len(case.slots),
+                                    ours_us=time_graph(case.ours, flush), loop_us=time_graph(case.loop, flush),
+                                    floor_us=case.floor_bytes() / bw * 1e6))
+                print(prefill[-1], flush=True)
+        del pool
+    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
+                copy_bw_GBps=bw / 1e9, null_graph_us=null_us, hidden=H, pool=POOL, dtype="float16",
+                zipf_alpha=ZIPF, reps=REPS,
+                timing="median of CUDA-event timings of a one-add-on CUDA graph replayed behind a 256 MiB "
+                       "L2 flush; null_graph_us: the same for a graph holding one empty kernel")
+    out.write_text(json.dumps(dict(meta=meta, rows=rows, prefill=prefill), indent=1))
+
+
+def attach_peers(result, peers_path):
+    """Copy vLLM's figure for each (rank, workload, batch) into the rows, as vllm_us."""
+    peers = {(p["rank"], p["workload"], p["batch"]): p for p in json.loads(peers_path.read_text())["rows"]}
+    for row in result["rows"]:
+        peer = peers.get((row["rank"], row["workload"], row["batch"]))
+        if peer:
+            row["vllm_us"] = peer["vllm_triton_graph_us"]
+
+
+def table(result):
+    cols = ("ours_us", "vllm_us", "ours_2launch_us", "gather_bmm_us", "loop_us", "floor_us")
+    print(f"{'rank':>4} {'workload':>9} {'B':>3} " + " ".join(f"{c[:-3]:>12}" for c in cols) + "  ours/vllm")
+    for r in result["rows"]:
+        ratio = r["ours_us"] / r["vllm_us"] if r.get("vllm_us") else float("nan")
+        print(f"{r['rank']:>4} {r['workload']:>9} {r['batch']:>3} "
+              + " ".join(f"{r.get(c, float('nan')):12.1f}" for c in cols) + f"  {ratio:9.2f}")
+    for p in result.get("prefill", []):
+        print(f"prefill r={p['rank']} {p['workload']} T={p['tokens']}: ours {p['ours_us']:.1f} µs, "
+              f"loop {p['loop_us']:.1f} µs, floor {p['floor_us']:.1f} µs")
+
+
+def plot(result, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(RANKS), len(WORKLOADS), figsize=(16, 14), sharex=True)
+    series = (("ours_us", "ours (CUDA, NVRTC)"), ("vllm_us", "vLLM Triton"), ("gather_bmm_us", "Gather-BMM"),
+              ("loop_us", "Loop"), ("floor_us", "floor (bytes / copy bw)"))
+    for i, rank in enumerate(RANKS):
+        for j, workload in enumerate(WORKLOADS):
+            ax, rows = axes[i][j], [r for r in result["rows"] if r["rank"] == rank and r["workload"] == workload]
+            for key, label in series:
+                if all(key in r for r in rows):
+                    ax.plot([r["batch"] for r in rows], [r[key] for r in rows], marker="o", label=label,
+                            linestyle="--" if key == "floor_us" else "-")
+            ax.set(xscale="log", yscale="log", title=f"r={rank} {workload}", xticks=BATCHES)
+            ax.set_xticklabels(BATCHES)
+            ax.grid(True, which="both", alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("µs per LoRA add-on")
+            if i == len(RANKS) - 1:
+                ax.set_xlabel("batch size")
+    axes[0][0].legend(fontsize=8)
+    meta = result["meta"]
+    fig.suptitle(f"SGMV LoRA add-on, {meta['gpu']}, h={meta['hidden']}, fp16, pool {meta['pool']} "
+                 f"(copy bw {meta['copy_bw_GBps']:.0f} GB/s)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=80)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, default=RESULT)
+    ap.add_argument("--plot-only", action="store_true", help="read --out, add --peers, write the PNG")
+    ap.add_argument("--peers", type=pathlib.Path, help="peer figures (vLLM) to compare against")
+    args = ap.parse_args()
+    if not args.plot_only:
+        run(args.out)
+    result = json.loads(args.out.read_text())
+    if args.peers:
+        attach_peers(result, args.peers)
+        args.out.write_text(json.dumps(result, indent=1))
+    table(result)
+    if args.plot_only:
+        plot(result, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

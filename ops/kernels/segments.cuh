@@ -1,0 +1,58 @@
+// Maps a work item to the rows it owns: one segment's rows inside one block of M rows.
+//
+// Items are the merge of two sorted lists, segment starts indptr[0..nseg) and
+// row-block starts 0, M, 2M, ...: every item begins where a segment or a row
+// block begins and ends at the next boundary of either. So there are at most
+// nseg + ceil(tokens / M) items, a number the host knows without reading
+// indptr, and no item spans two adapters or more than M rows. An item finds
+// its place with a 32-way search over indptr (one load round per 32x).
+#pragma once
+
+struct Piece {
+  int start;  // first row
+  int rows;   // 1..M
+  int slot;
+  int rank;
+  float scale;
+};
+
+__device__ __forceinline__ int merge_corank(const int* indptr, int nseg, int nblk, int M, int p1) {
+  // Largest i in [lo, hi] whose first p1 merged elements hold i segment starts:
+  // indptr[i-1] <= row-block start (p1 - i) * M (ties put segment starts first).
+  const int lane = threadIdx.x & 31;
+  int lo = max(0, p1 - nblk), hi = min(nseg, p1);
+  while (lo < hi) {
+    const int step = (hi - lo + 31) / 32;
+    const int c = lo + (lane + 1) * step;
+    bool ok = false;
+    if (c <= hi) {
+      const int j = p1 - c;
+      ok = j >= nblk || __ldg(indptr + c - 1) <= j * M;
+    }
+    lo += __popc(__ballot_sync(0xffffffffu, ok)) * step;
+    hi = min(hi, lo + step - 1);
+  }
+  return lo;
+}
+
+// Every warp calls this (all lanes); false means the item has nothing to do.
+__device__ __forceinline__ bool find_piece(const int* indptr, const int* slot_ids, const int* ranks,
+                                           const float* scales, int nseg, int tokens, int max_rank,
+                                           int M, int item, Piece& pc) {
+  const int nblk = (tokens + M - 1) / M;
+  const int i = merge_corank(indptr, nseg, nblk, M, item + 1);
+  const int j = item + 1 - i;
+  if (i == 0) return false;  // rows before the first segment
+  const int seg_start = __ldg(indptr + i - 1);
+  const bool from_block = j > 0 && (j - 1) * M >= seg_start;
+  if (from_block && (j - 1) * M == seg_start) return false;  // the segment's own item has it
+  const int start = from_block ? (j - 1) * M : seg_start;
+  const int end = min(__ldg(indptr + i), (start / M + 1) * M);
+  if (end <= start) return false;
+  const int slot = __ldg(slot_ids + i - 1);
+  if (slot < 0) return false;
+  const int rank = min(__ldg(ranks + slot), max_rank);
+  if (rank <= 0) return false;
+  pc = Piece{start, end - start, slot, rank, scales ? __ldg(scales + slot) : 0.f};  // no scales: shrink
+  return true;
+}

@@ -1,0 +1,304 @@
+// SGMV: per segment of rows, v = x @ A[slot].T (shrink) and y += scale * v @ B[slot] (expand).
+//
+// One work item = one segment's rows inside an M-row block (segments.cuh).
+// SPLIT blocks share an item: in the shrink each reads 1/SPLIT of h_in
+// (split-K), in the expand each writes 1/SPLIT of h_out. The fused kernel runs
+// the SPLIT blocks as one thread-block cluster (sm_90): partial sums of v meet
+// in distributed shared memory, so shrink + expand is one launch and v never
+// leaves the chip.
+//
+// Tensor cores do all the products (mma m16n8k16, fp32 accumulate), fed
+// straight from 16-byte global loads without shared-memory staging:
+// - shrink: a dot product does not care in which order k is summed, so each
+//   lane's 8 consecutive k of x and of A fill its fragment slots of two MMAs.
+// - expand: the output columns are permuted instead. Lane (g, q) loads 8
+//   consecutive columns of 4 rows of B, so in n-tile j logical column n is
+//   physical column 8n + j; the accumulator then holds 16 consecutive columns
+//   of each row, written back with 16-byte stores.
+// Rows beyond the piece and ranks beyond the adapter's rank are never loaded.
+#include "cluster.cuh"
+#include "dtype.cuh"
+#include "segments.cuh"
+
+enum Mode { SHRINK = 0, EXPAND = 1, FUSED = 2 };
+
+struct SgmvArgs {
+  const void* x;
+  void* y;  // already offset to the first output column
+  void* v;  // may be null in FUSED mode
+  const void* A;
+  const void* B;
+  const int* indptr;
+  const int* slot_ids;
+  const int* ranks;
+  const float* scales;
+  long long x_stride, y_stride, v_stride;  // row strides, elements
+  long long a_slot, b_slot;                // pool slot strides, elements
+  int nseg, tokens, h_in, h_out, max_rank, prefetch;
+};
+
+constexpr int WARPS = 4;
+constexpr int THREADS = 32 * WARPS;
+
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
+template <class T, int RMAX, int MT>
+struct Tile {
+  static constexpr int M = 16 * MT;                      // rows per item
+  static constexpr int NTG = cmin(RMAX / 8, 8 / MT);     // rank n-tiles per shrink pass
+  static constexpr int U = cmax(1, cmin(4, 24 / (2 * MT + NTG)));  // k-steps in flight
+  static constexpr int RP = RMAX + 8;                    // padded vh row: no bank conflicts
+  static constexpr int RED_BYTES = WARPS * M * NTG * 8 * 4;  // per-warp partials of one pass
+  static constexpr int VH_BYTES = M * RP * 2;
+  static constexpr int SCRATCH = cmax(RED_BYTES, VH_BYTES);
+};
+
+// Prefetch rows [0, nrows) x columns [c0, c1) of a row-major matrix into L2, so
+// every DRAM request of the block is in flight from its first microsecond.
+template <class T>
+__device__ __forceinline__ void prefetch_rows(const T* base, long long stride, int nrows, int c0, int c1) {
+  const int lines = ((c1 - c0) * int(sizeof(T)) + 127) / 128;
+  for (int idx = threadIdx.x; idx < nrows * lines; idx += THREADS) {
+    const T* row = base + (long long)(idx / lines) * stride + c0;
+    prefetch_l2(reinterpret_cast<const char*>(row) + (idx % lines) * 128);
+  }
+}
+
+// Block `part` of SPLIT equal, `unit`-aligned shares of [0, n).
+__device__ __forceinline__ int2 share(int n, int unit, int part, int SPLIT) {
+  const int per = ((n + unit - 1) / unit + SPLIT - 1) / SPLIT * unit;
+  return make_int2(min(n, part * per), min(n, part * per + per));
+}
+
+// Shrink partial of this block's k-share: part[m][n] = sum_k x[m][k] * A[n][k].
+template <class T, int RMAX, int MT>
+__device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& pc, int2 ks,
+                                               float (*part)[RMAX], float* red) {
+  using TL = Tile<T, RMAX, MT>;
+  constexpr int NTG = TL::NTG, U = TL::U, M = TL::M;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  const int nsteps = (ks.y - ks.x + 31) / 32;
+  const T* x = static_cast<const T*>(a.x) + (long long)pc.start * a.x_stride;
+  const T* A = static_cast<const T*>(a.A) + (long long)pc.slot * a.a_slot;
+  for (int n0 = 0; n0 < pc.rank; n0 += NTG * 8) {
+    float acc[MT][NTG][4] = {};
+    for (int s0 = w; s0 < nsteps; s0 += WARPS * U) {
+      uint4 xv[U][MT][2], av[U][NTG];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int s = s0 + u * WARPS, k = ks.x + s * 32 + q * 8;
+        const bool kin = s < nsteps && k < ks.y;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = mt * 16 + h * 8 + g;
+            xv[u][mt][h] = ldg16(x + (long long)row * a.x_stride + k, kin && row < pc.rows);
+          }
+#pragma unroll
+        for (int nt = 0; nt < NTG; ++nt) {
+          const int n = n0 + nt * 8 + g;
+          av[u][nt] = ldg16(A + (long long)n * a.h_in + k, kin && n < pc.rank);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NTG; ++nt) {
+            const uint4 &lo = xv[u][mt][0], &hi = xv[u][mt][1], &b = av[u][nt];
+            DType<T>::mma(acc[mt][nt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+            DType<T>::mma(acc[mt][nt], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+          }
+    }
+    // Sum the warps' partials of this rank group in a fixed order (deterministic).
+    constexpr int NG = NTG * 8;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTG; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int row = mt * 16 + g + (c >> 1) * 8, col = nt * 8 + 2 * q + (c & 1);
+          red[(w * M + row) * NG + col] = acc[mt][nt][c];
+        }
+    __syncthreads();
+    for (int e = threadIdx.x; e < M * NG; e += THREADS) {
+      float s = 0.f;
+#pragma unroll
+      for (int ww = 0; ww < WARPS; ++ww) s += red[ww * M * NG + e];
+      part[e / NG][n0 + e % NG] = s;
+    }
+    __syncthreads();
+  }
+}
+
+// v tile = sum over the SPLIT blocks' partials (distributed shared memory when
+// SPLIT > 1); lands in vh (activation dtype, MMA operand) and optionally in v.
+template <class T, int RMAX, int MT, int SPLIT, class VT>
+__device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& pc, int crank,
+                                                float (*part)[RMAX], T (*vh)[Tile<T, RMAX, MT>::RP],
+                                                bool keep_vh) {
+  const int rr = (pc.rank + 15) & ~15, quads = rr / 4;
+  VT* v = static_cast<VT*>(a.v);
+  for (int e = threadIdx.x; e < Tile<T, RMAX, MT>::M * quads; e += THREADS) {
+    const int m = e / quads, n = (e % quads) * 4;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int c = 0; c < SPLIT; ++c) {
+      const float4 p = SPLIT > 1 ? ld_dsmem_f4(dsmem_addr(&part[m][n], c))
+                                 : *reinterpret_cast<const float4*>(&part[m][n]);
+      s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
+    }
+    const float sv[4] = {s.x, s.y, s.z, s.w};
+    if (keep_vh) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) vh[m][n + i] = DType<T>::from_float(sv[i]);
+    }
+    if (v != nullptr && m < pc.rows && e % SPLIT == crank) {
+      VT* out = v + (long long)(pc.start + m) * a.v_stride + n;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (n + i < pc.rank) store_float(out + i, sv[i]);
+    }
+  }
+}
+
+// Standalone expand: the v tile comes from global memory.
+template <class T, int RMAX, int MT, class VT>
+__device__ __forceinline__ void load_v(const SgmvArgs& a, const Piece& pc, T (*vh)[Tile<T, RMAX, MT>::RP]) {
+  const int rr = (pc.rank + 15) & ~15;
+  const VT* v = static_cast<const VT*>(a.v) + (long long)pc.start * a.v_stride;
+  for (int e = threadIdx.x; e < Tile<T, RMAX, MT>::M * rr; e += THREADS) {
+    const int m = e / rr, n = e % rr;
+    const float val = m < pc.rows && n < pc.rank ? load_as_float(v + (long long)m * a.v_stride + n) : 0.f;
+    vh[m][n] = DType<T>::from_float(val);
+  }
+}
+
+// y[rows, cs] += scale * vh @ B[slot][:, cs] over this block's column share cs.
+template <class T, int RMAX, int MT>
+__device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, int2 cs,
+                                            const T (*vh)[Tile<T, RMAX, MT>::RP]) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  const int ksteps = (pc.rank + 15) / 16, nsteps = (cs.y - cs.x + 63) / 64;
+  const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
+  T* y = static_cast<T*>(a.y) + (long long)pc.start * a.y_stride;
+  for (int s = w; s < nsteps; s += WARPS) {
+    const int cb = cs.x + s * 64;
+    uint4 yv[MT][2][2];  // [row tile][row g / g+8][columns 16q.. / 16q+8..]
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
+          yv[mt][h][hf] = ldg16(y + (long long)row * a.y_stride + col, row < pc.rows && col < cs.y);
+        }
+    float acc[MT][8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < RMAX / 16; ++kk) {
+      if (kk >= ksteps) break;
+      uint4 br[4];  // B rows 2q, 2q+1, 2q+8, 2q+9 of this k16 step, columns cb + 8g ..
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int k = kk * 16 + 2 * q + (i & 1) + (i >> 1) * 8, col = cb + 8 * g;
+        br[i] = ldg16(B + (long long)k * a.h_out + col, k < pc.rank && col < cs.y);
+      }
+      const unsigned* r0 = &br[0].x; const unsigned* r1 = &br[1].x;
+      const unsigned* r2 = &br[2].x; const unsigned* r3 = &br[3].x;
+      unsigned b0[8], b1[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // pair up k = 2q, 2q+1 (and +8) of one column
+        b0[2 * i] = __byte_perm(r0[i], r1[i], 0x5410);
+        b0[2 * i + 1] = __byte_perm(r0[i], r1[i], 0x7632);
+        b1[2 * i] = __byte_perm(r2[i], r3[i], 0x5410);
+        b1[2 * i + 1] = __byte_perm(r2[i], r3[i], 0x7632);
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int r = mt * 16 + g, k = kk * 16 + 2 * q;
+        const unsigned a0 = *reinterpret_cast<const unsigned*>(&vh[r][k]);
+        const unsigned a1 = *reinterpret_cast<const unsigned*>(&vh[r + 8][k]);
+        const unsigned a2 = *reinterpret_cast<const unsigned*>(&vh[r][k + 8]);
+        const unsigned a3 = *reinterpret_cast<const unsigned*>(&vh[r + 8][k + 8]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) DType<T>::mma(acc[mt][j], a0, a1, a2, a3, b0[j], b1[j]);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
+          if (row >= pc.rows || col >= cs.y) continue;
+          unsigned* old = &yv[mt][h][hf].x;
+          uint4 out;
+          unsigned* o = &out.x;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = DType<T>::unpack(old[i]);
+            o[i] = DType<T>::pack(f.x + pc.scale * acc[mt][2 * i][2 * h + hf],
+                                  f.y + pc.scale * acc[mt][2 * i + 1][2 * h + hf]);
+          }
+          *reinterpret_cast<uint4*>(y + (long long)row * a.y_stride + col) = out;
+        }
+  }
+}
+
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT>
+__device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
+  using TL = Tile<T, RMAX, MT>;
+  constexpr bool CLUSTER = SPLIT > 1 && MODE != EXPAND;
+  __shared__ __align__(16) float part[TL::M][RMAX];
+  __shared__ __align__(16) unsigned char scratch[TL::SCRATCH];  // red, later vh
+  auto vh = reinterpret_cast<T(*)[TL::RP]>(scratch);
+
+  const int crank = blockIdx.x % SPLIT;
+  Piece pc;
+  if (!find_piece(a.indptr, a.slot_ids, a.ranks, a.scales, a.nseg, a.tokens, a.max_rank, TL::M,
+                  blockIdx.x / SPLIT, pc))
+    return;  // the whole cluster agrees: same item, same answer
+  const int2 ks = share(a.h_in, 32, crank, SPLIT), cs = share(a.h_out, 64, crank, SPLIT);
+  if (a.prefetch) {
+    if (MODE != EXPAND) {
+      prefetch_rows(static_cast<const T*>(a.A) + (long long)pc.slot * a.a_slot, a.h_in, pc.rank, ks.x, ks.y);
+      prefetch_rows(static_cast<const T*>(a.x) + (long long)pc.start * a.x_stride, a.x_stride, pc.rows, ks.x, ks.y);
+    }
+    if (MODE != SHRINK) {
+      prefetch_rows(static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot, a.h_out, pc.rank, cs.x, cs.y);
+      prefetch_rows(static_cast<const T*>(a.y) + (long long)pc.start * a.y_stride, a.y_stride, pc.rows, cs.x, cs.y);
+    }
+  }
+  if (MODE == EXPAND) {
+    load_v<T, RMAX, MT, VT>(a, pc, vh);
+  } else {
+    shrink_partial<T, RMAX, MT>(a, pc, ks, part, reinterpret_cast<float*>(scratch));
+    if (CLUSTER) cluster_sync();  // every block's partial is visible to the cluster
+    reduce_partials<T, RMAX, MT, SPLIT, VT>(a, pc, crank, part, vh, MODE == FUSED);
+    if (CLUSTER) cluster_arrive();  // done reading the peers' partials
+  }
+  if (MODE != SHRINK) {
+    __syncthreads();
+    expand_tile<T, RMAX, MT>(a, pc, cs, vh);
+  }
+  if (CLUSTER) cluster_wait();  // peers may still read our partials until here
+}
+
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT>
+__global__ void __launch_bounds__(THREADS, MT == 1 && SPLIT > 1 ? 4 : 3) sgmv_kernel(const SgmvArgs a) {
+  static_assert(MODE == EXPAND || SPLIT == 1, "split-K needs the cluster kernel");
+  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT>(a);
+}
+
+#if __CUDA_ARCH__ >= 900
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT>
+__global__ void __launch_bounds__(THREADS, MT == 1 && SPLIT > 1 ? 4 : 3) __cluster_dims__(SPLIT, 1, 1) sgmv_cluster_kernel(const SgmvArgs a) {
+  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT>(a);
+}
+#endif

@@ -1,0 +1,23 @@
+"""Launch NVRTC-compiled kernels through the driver API on torch's current stream.
+
+Kernels take their arguments as one C struct passed by value (``const Args a``);
+the host mirrors it as a ``ctypes.Structure``, which ctypes lays out exactly as
+the C compiler does, so ``cuLaunchKernel`` needs a single parameter pointer.
+Nothing here allocates device memory or waits for the device, so a launch can
+be captured in a CUDA graph like any torch kernel.
+"""
+import ctypes
+
+import torch
+from cuda.bindings import driver
+
+_SUCCESS = driver.CUresult.CUDA_SUCCESS
+
+
+def launch(func: driver.CUfunction, grid: int, block: int, args: ctypes.Structure, device: torch.device):
+    """Run `func` on `grid` x `block` threads with `args` on the current stream of `device`."""
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+    stream = torch.cuda.current_stream(device).cuda_stream
+    (err,) = driver.cuLaunchKernel(func, grid, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(params), 0)
+    if err != _SUCCESS:
+        raise RuntimeError(f"cuLaunchKernel: {driver.cuGetErrorString(err)[1].decode()}")

@@ -1,0 +1,159 @@
+"""SGMV LoRA kernels (Punica): one launch applies a different adapter to each segment of rows.
+
+Layouts are those of `ops.reference`: pools ``A [slots, max_rank, h_in]`` and
+``B [slots, max_rank, h_out]`` in the activation dtype (fp16 or bf16,
+contiguous), ``ranks [slots]`` int32 and ``scales [slots]`` float32; a batch is
+cut into segments ``indptr [nseg+1]`` int32 with ``slot_ids [nseg]`` int32
+(-1 = no adapter, the rows are left alone). All are CUDA tensors; nothing here
+reads them on the host, allocates, or synchronizes, so every call can be
+captured in a CUDA graph. Kernels are picked from host-known shapes only
+(``x.shape``, ``indptr.numel()``, the pool's max rank) and compiled by NVRTC on
+first use (`ops.nvrtc`). Requirements, checked: h_in, h_out, row strides and
+``y_offset`` multiples of 8 elements (16-byte vectors), max_rank <= 128.
+"""
+import ctypes
+import functools
+
+import torch
+
+from . import launch as _launch
+from . import nvrtc, reference
+
+SHRINK, EXPAND, FUSED = 0, 1, 2
+_THREADS = 128
+_SPLIT = 8  # blocks sharing one work item: split-K in the shrink, split-N in the expand
+_RMAX = (16, 32, 64, 128)
+_BIG_TILE_TOKENS = 256  # fused, from here on 32-row items: adapters re-read from L2 half as often
+_CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+
+
+class _Args(ctypes.Structure):
+    """Mirror of `SgmvArgs` in kernels/sgmv.cu."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in ("x", "y", "v", "A", "B", "indptr", "slot_ids", "ranks", "scales")]
+    _fields_ += [(n, ctypes.c_longlong) for n in ("x_stride", "y_stride", "v_stride", "a_slot", "b_slot")]
+    _fields_ += [(n, ctypes.c_int) for n in ("nseg", "tokens", "h_in", "h_out", "max_rank", "prefetch")]
+
+
+def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch: int):
+    """(template instantiation, blocks per item, rows per item) for one call shape."""
+    rmax = next((r for r in _RMAX if max_rank <= r), None)
+    if rmax is None:
+        raise ValueError(f"max_rank {max_rank} > {_RMAX[-1]}")
+    mt = 2 if mode == FUSED and tokens >= _BIG_TILE_TOKENS else 1
+    split = _SPLIT if mode == EXPAND or arch >= 90 else 1  # split-K needs clusters (sm_90)
+    cluster = "cluster_" if split > 1 and mode != EXPAND else ""
+    name = f"sgmv_{cluster}kernel<{_CTYPE[dtype]}, {rmax}, {mt}, {split}, {mode}, float>"
+    return name, split, 16 * mt
+
+
+def all_kernel_names(arch: int) -> list[str]:
+    """Every instantiation the wrappers can ask for on `arch` (CI compiles them all)."""
+    shapes = [(m, dt, r, t) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
+              for t in (1, _BIG_TILE_TOKENS)]
+    return sorted({kernel_name(*shape, arch)[0] for shape in shapes})
+
+
+@functools.cache
+def _arch(device_index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
+
+
+def _check(x, pool, y, v, segs, y_offset=0):
+    if pool.dtype not in (torch.float16, torch.bfloat16) or x.dtype != pool.dtype or y.dtype != pool.dtype:
+        raise TypeError(f"x, pool and y must share fp16/bf16, got {x.dtype}, {pool.dtype}, {y.dtype}")
+    if v is not None and (v.dtype != torch.float32 or v.stride(-1) != 1 or v.device != pool.device):
+        raise TypeError("v must be float32 with unit column stride, on the pool's device")
+    if not pool.is_contiguous() or x.stride(-1) != 1 or y.stride(-1) != 1:
+        raise ValueError("pools must be contiguous, x and y rows unit-stride")
+    if pool.shape[-1] % 8 or x.stride(0) % 8 or y.stride(0) % 8 or y_offset % 8:
+        raise ValueError("h, row strides and y_offset must be multiples of 8 elements")
+    for t, dt in zip(segs, (torch.int32, torch.int32, torch.int32, torch.float32)):
+        if t.dtype != dt or not t.is_contiguous() or t.device != pool.device:
+            raise TypeError(f"indptr, slot_ids, ranks, scales must be contiguous {dt} on {pool.device}")
+
+
+def _ptr(t, offset=0):
+    return None if t is None else t.data_ptr() + offset * t.element_size()
+
+
+def _run(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_ids, ranks, scales=None,
+         y_offset=0, prefetch=True):
+    pool = A if A is not None else B
+    dev = pool.device
+    name, split, rows = kernel_name(mode, pool.dtype, pool.shape[1], tokens, _arch(dev.index))
+    nseg = slot_ids.numel()
+    if nseg == 0 or tokens == 0:
+        return
+    args = _Args(
+        x=_ptr(x), y=_ptr(y, y_offset), v=_ptr(v), A=_ptr(A), B=_ptr(B),
+        indptr=_ptr(indptr), slot_ids=_ptr(slot_ids), ranks=_ptr(ranks), scales=_ptr(scales),
+        x_stride=0 if x is None else x.stride(0),
+        y_stride=0 if y is None else y.stride(0),
+        v_stride=0 if v is None else v.stride(0),
+        a_slot=0 if A is None else A.stride(0),
+        b_slot=0 if B is None else B.stride(0),
+        nseg=nseg, tokens=tokens,
+        h_in=0 if A is None else A.shape[2],
+        h_out=0 if B is None else B.shape[2],
+        max_rank=pool.shape[1], prefetch=int(prefetch),
+    )
+    func = nvrtc.load_function("sgmv.cu", name, dev.index)
+    items = nseg + (tokens + rows - 1) // rows
+    _launch.launch(func, items * split, _THREADS, args, dev)
+
+
+def sgmv_shrink(v, x, A, indptr, slot_ids, ranks):
+    """v[s_i:s_{i+1}, :r_i] = x[s_i:s_{i+1}] @ A[slot_i, :r_i].T for every segment i with slot_i >= 0.
+
+    v: [tokens, >= max_rank] float32, written in place only in the
+    rows of segments with an adapter and columns < that adapter's rank.
+    x: [tokens, h_in] fp16/bf16; A: [slots, max_rank, h_in]. Returns v.
+    Split-K over h_in across a cluster of 8 blocks (sm_90). CPU: the reference.
+    """
+    if not x.is_cuda:
+        return reference.sgmv_shrink_ref(v, x, A, indptr, slot_ids, ranks)
+    _check(x, A, x, v, (indptr, slot_ids, ranks))
+    _run(SHRINK, x.shape[0], x=x, v=v, A=A, indptr=indptr, slot_ids=slot_ids, ranks=ranks)
+    return v
+
+
+def sgmv_expand(y, v, B, indptr, slot_ids, ranks, scales, y_offset=0):
+    """y[s_i:s_{i+1}, off:off+h_out] += scale_i * v[s_i:s_{i+1}, :r_i] @ B[slot_i, :r_i] (slot_i >= 0).
+
+    y: [tokens, >= y_offset + h_out] fp16/bf16, updated in place (row stride
+    y.stride(0), so y may be a fused q|k|v or gate|up output); v: [tokens,
+    >= max_rank] float32, read up to each adapter's rank;
+    B: [slots, max_rank, h_out]. Accumulates in fp32, rounds once. Returns y.
+    """
+    if not y.is_cuda:
+        return reference.sgmv_expand_ref(y, v, B, indptr, slot_ids, ranks, scales, y_offset)
+    _check(y, B, y, v, (indptr, slot_ids, ranks, scales), y_offset)
+    _run(EXPAND, y.shape[0], y=y, v=v, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks, scales=scales,
+         y_offset=y_offset)
+    return y
+
+
+def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, prefetch=True):
+    """y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T @ B[slot_i, :r_i].
+
+    The whole LoRA add-on in one launch: a cluster of 8 blocks per work item
+    splits h_in for the shrink, sums the partial v in distributed shared
+    memory, then splits h_out for the expand (sm_90; one block per item before).
+    y: [tokens, >= y_offset + h_out] fp16/bf16 updated in place (row stride
+    y.stride(0)); x: [tokens, h_in]; A: [slots, max_rank, h_in];
+    B: [slots, max_rank, h_out]. v never leaves the chip, so no scratch is
+    needed; pass v (float32 [tokens, >= max_rank]) to also receive x @ A.T as
+    sgmv_shrink writes it. `prefetch=False` skips the L2 prefetch (benchmarks).
+    Returns y.
+    """
+    if not x.is_cuda:
+        if v is not None:
+            reference.sgmv_shrink_ref(v, x, A, indptr, slot_ids, ranks)
+        return reference.lora_ref(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset)
+    _check(x, A, y, v, (indptr, slot_ids, ranks, scales), y_offset)
+    _check(x, B, y, None, (), y_offset)
+    _run(FUSED, x.shape[0], x=x, y=y, v=v, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks,
+         scales=scales, y_offset=y_offset, prefetch=prefetch)
+    return y

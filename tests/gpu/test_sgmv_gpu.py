@@ -1,0 +1,175 @@
+"""Device: the SGMV kernels equal the fp32 reference over Punica's workloads.
+
+Every case draws fresh inputs, puts segments in random order on random pool
+slots (some with no adapter), poisons v with NaN (so unwritten entries stay
+NaN and entries that must not be read would spread NaN) and the pool rows
+beyond each adapter's rank with NaN, and writes into a wider y at an offset
+(columns outside the slice and rows without an adapter must come back
+bit-identical).
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ops import sgmv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+WORKLOADS = ("distinct", "uniform", "skewed", "identical")
+BATCHES = (1, 2, 3, 7, 16, 64, 256, 4096)
+RANKS = (8, 16, 32, 64, 128, "mixed")
+MIXED = (1, 7, 8, 13, 16, 32, 50, 64, 100, 128)
+SLOTS = 512
+TOL = 1e-2
+PAD = 8  # y is wider than h_out: columns [PAD, PAD + h_out) are the slice
+
+
+def request_adapters(workload, batch, rng):
+    """Adapter index of every request (one row each), Punica's four popularity laws."""
+    if workload == "distinct":
+        return np.arange(batch)
+    if workload == "uniform":
+        return rng.integers(0, math.ceil(math.sqrt(batch)), batch)
+    if workload == "skewed":
+        p = 1.0 / np.arange(1, batch + 1) ** 1.5
+        return rng.choice(batch, batch, p=p / p.sum())
+    return np.zeros(batch, dtype=np.int64)
+
+
+def make_segments(workload, batch, rng):
+    """[(slot, rows)] in random order; rows of one adapter are one segment, some segments unadapted."""
+    ids, counts = np.unique(request_adapters(workload, batch, rng), return_counts=True)
+    slots = rng.choice(SLOTS, len(ids), replace=len(ids) > SLOTS)
+    segs = [(int(s), int(c)) for s, c in zip(slots, counts)]
+    if len(segs) >= 4:
+        segs += [(-1, int(c)) for c in rng.integers(1, 4, len(segs) // 8)]
+    rng.shuffle(segs)
+    return segs
+
+
+def make_pool(dtype, h_in, h_out, rank, seed):
+    torch.manual_seed(seed)
+    max_rank = 128 if rank == "mixed" else rank
+    ranks = torch.full((SLOTS,), max_rank, dtype=torch.int32, device="cuda")
+    if rank == "mixed":
+        ranks = torch.tensor(MIXED, dtype=torch.int32, device="cuda")[torch.randint(len(MIXED), (SLOTS,), device="cuda")]
+    A = torch.randn(SLOTS, max_rank, h_in, device="cuda").div_(math.sqrt(h_in))
+    B = torch.randn(SLOTS, max_rank, h_out, device="cuda").div_(math.sqrt(max_rank))
+    beyond = torch.arange(max_rank, device="cuda")[None, :] >= ranks[:, None]
+    A[beyond], B[beyond] = math.nan, math.nan  # must never be read
+    scales = torch.rand(SLOTS, device="cuda") * 1.5 + 0.5
+    return A.to(dtype), B.to(dtype), ranks, scales
+
+
+def reference(x, A, B, segs, ranks, scales, y0):
+    """fp32 v and y, grouped by slot; the row mask of rows that got an adapter."""
+    tokens, h_out = x.shape[0], B.shape[2]
+    v = torch.full((tokens, A.shape[1]), math.nan, device="cuda")
+    y = y0.float()
+    starts = np.cumsum([0] + [n for _, n in segs])
+    rows_of = {}
+    for (slot, _), lo, hi in zip(segs, starts[:-1], starts[1:]):
+        if slot >= 0:
+            rows_of.setdefault(slot, []).append(torch.arange(lo, hi))
+    for slot, parts in rows_of.items():
+        rows, r = torch.cat(parts).cuda(), int(ranks[slot])
+        vs = x[rows].float() @ A[slot, :r].float().T
+        v[rows, :r] = vs
+        y[rows, PAD:PAD + h_out] += float(scales[slot]) * (vs @ B[slot, :r].float())
+    adapted = torch.zeros(tokens, dtype=torch.bool, device="cuda")
+    for parts in rows_of.values():
+        adapted[torch.cat(parts).cuda()] = True
+    return v, y, adapted
+
+
+def rel_err(out, ref):
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check_case(dtype, h_in, h_out, rank, workload, batch, pool, rng):
+    A, B, ranks, scales = pool
+    segs = make_segments(workload, batch, rng)
+    tokens = sum(n for _, n in segs)
+    indptr = torch.tensor(np.cumsum([0] + [n for _, n in segs]), dtype=torch.int32, device="cuda")
+    slot_ids = torch.tensor([s for s, _ in segs], dtype=torch.int32, device="cuda")
+    x = torch.randn(tokens, h_in, device="cuda", dtype=dtype)
+    y0 = (torch.randn(tokens, h_out + 2 * PAD, device="cuda") * 0.1).to(dtype)
+    v_ref, y_ref, adapted = reference(x, A, B, segs, ranks.cpu(), scales.cpu(), y0)
+    seg_args = (indptr, slot_ids, ranks)
+    errors = []
+
+    def check_y(y, what):
+        cols = slice(PAD, PAD + h_out)
+        if not torch.equal(y[~adapted], y0[~adapted]) or not torch.equal(y[:, :PAD], y0[:, :PAD]) \
+                or not torch.equal(y[:, PAD + h_out:], y0[:, PAD + h_out:]):
+            errors.append(f"{what}: wrote outside its rows/columns")
+        delta, delta_ref = y[adapted, cols].float() - y0[adapted, cols].float(), (y_ref - y0.float())[adapted, cols]
+        if not (err := rel_err(delta, delta_ref)) < TOL:
+            errors.append(f"{what}: y rel err {err:.2e}")
+
+    def check_v(v, what):
+        written = ~torch.isnan(v_ref)
+        if not torch.isnan(v[~written]).all():
+            errors.append(f"{what}: v written outside rows x rank")
+        if not (err := rel_err(v[written], v_ref[written])) < TOL:
+            errors.append(f"{what}: v rel err {err:.2e}")
+
+    v = torch.full_like(v_ref, math.nan)
+    check_v(sgmv.sgmv_shrink(v, x, A, *seg_args), "shrink")
+    y = y0.clone()
+    check_y(sgmv.sgmv_expand(y, v_ref, B, *seg_args, scales, y_offset=PAD), "expand")
+    y, v = y0.clone(), torch.full_like(v_ref, math.nan)
+    sgmv.add_lora(y, x, A, B, *seg_args, scales, y_offset=PAD, v=v)
+    check_y(y, "add_lora")
+    check_v(v, "add_lora")
+    return [f"{dtype} h={h_in}->{h_out} r={rank} {workload} B={batch} nseg={len(segs)}: {e}" for e in errors]
+
+
+@pytest.mark.parametrize("rank", RANKS)
+@pytest.mark.parametrize("h", (4096, 5120, 11008))
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=("fp16", "bf16"))
+def test_equals_reference(dtype, h, rank):
+    rng = np.random.default_rng(h)
+    pool = make_pool(dtype, h, h, rank, seed=h)
+    failures = [f for w in WORKLOADS for b in BATCHES for f in check_case(dtype, h, h, rank, w, b, pool, rng)]
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("h_in,h_out", [(4096, 1024), (4096, 11008), (11008, 4096), (13824, 5120), (2048, 16384)])
+def test_projection_shapes(h_in, h_out):
+    rng = np.random.default_rng(h_out)
+    pool = make_pool(torch.bfloat16, h_in, h_out, "mixed", seed=h_in)
+    failures = [f for w in WORKLOADS for b in (1, 7, 64, 1000)
+                for f in check_case(torch.bfloat16, h_in, h_out, "mixed", w, b, pool, rng)]
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_cuda_graph_capture_and_replay():
+    dtype, h, tokens = torch.float16, 4096, 64
+    rng = np.random.default_rng(1)
+    A, B, ranks, scales = make_pool(dtype, h, h, "mixed", seed=1)
+    x = torch.empty(tokens, h, device="cuda", dtype=dtype)
+    y = torch.empty(tokens, h + 2 * PAD, device="cuda", dtype=dtype)
+    v = torch.empty(tokens, 128, device="cuda")
+    indptr = torch.zeros(tokens + 1, dtype=torch.int32, device="cuda")
+    slot_ids = torch.full((tokens,), -1, dtype=torch.int32, device="cuda")
+    sgmv.add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=PAD, v=v)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sgmv.add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=PAD, v=v)
+    for workload in ("distinct", "skewed", "identical"):
+        segs = make_segments(workload, 40, rng)  # <= 55 rows: the last rows have no segment
+        rows = sum(n for _, n in segs)
+        segs += [(-1, 0)] * (tokens - len(segs))  # same nseg every replay: pad with empty segments
+        starts = np.cumsum([0] + [n for _, n in segs])
+        indptr.copy_(torch.tensor(starts, dtype=torch.int32))
+        slot_ids.copy_(torch.tensor([s for s, _ in segs], dtype=torch.int32))
+        x.copy_(torch.randn(tokens, h, device="cuda", dtype=dtype))
+        y0 = (torch.randn(tokens, h + 2 * PAD, device="cuda") * 0.1).to(dtype)
+        y.copy_(y0)
+        graph.replay()
+        _, y_ref, adapted = reference(x, A, B, segs, ranks.cpu(), scales.cpu(), y0)
+        assert rows <= tokens and torch.equal(y[~adapted], y0[~adapted])
+        assert rel_err(y[adapted].float() - y0[adapted].float(), (y_ref - y0.float())[adapted]) < TOL, workload
