@@ -1,0 +1,41 @@
+"""`build_app(args)`: the application serve_config.yaml names (`app.builder:build_app`).
+
+Three deployments: Ingress (HTTP, OpenAI API) → LoraReplica (one engine each),
+both reading AdapterRegistry. Replica count / autoscaling and Ray actor options
+come from `args.replica` / `args.ingress` (a `deployments:` section in the YAML
+still overrides them, as Serve does for any app).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ray.serve import Application
+
+from app.config import Settings, parse_args
+from app.ingress import Ingress
+from app.model.default import DEFAULT_MODEL_NAME
+from app.registry import AdapterRegistry, scan
+from app.replica import LoraReplica, ReplicaSettings, build_async_engine
+
+
+def build_app(args: dict | None = None, engine_factory: Callable = build_async_engine) -> Application:
+    """engine_factory(ReplicaSettings) → AsyncEngine: the seam tests use to swap the engine."""
+    return build(parse_args(args, DEFAULT_MODEL_NAME), engine_factory)
+
+
+def build(settings: Settings, engine_factory: Callable = build_async_engine) -> Application:
+    if settings.model is None:
+        _warm_default_model()
+    adapters = tuple(scan(settings.adapter_dirs))
+    registry = AdapterRegistry.bind(list(adapters))
+    replica = LoraReplica.options(**settings.replica_options).bind(
+        ReplicaSettings(settings.model, settings.engine, adapters), registry, engine_factory)
+    return Ingress.options(**settings.ingress_options).bind(settings, replica, registry)
+
+
+def _warm_default_model() -> None:
+    """Convert the embedded model once here, before ingress and replicas start: otherwise
+    each would convert it at the same time on a fresh machine."""
+    from app.model.default import default_model_dir
+
+    default_model_dir()

@@ -1,0 +1,136 @@
+"""The application's arguments (`args:` in serve_config.yaml), validated once.
+
+Pydantic lives only here, at the YAML boundary: `parse_args` turns the raw
+dict into frozen dataclasses the deployments use, or raises ConfigError whose
+message names every offending field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from app.engine.config import EngineConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ApiKeyArgs(_Strict):
+    key: str = Field(min_length=8)
+    adapters: list[str] | None = None  # adapters this key may use; None = all (the base model always)
+
+
+class DeploymentArgs(_Strict):
+    """Ray Serve options of one deployment (what `.options()` takes)."""
+
+    num_replicas: int | None = Field(None, ge=1)
+    autoscaling_config: dict[str, Any] | None = None
+    max_ongoing_requests: int | None = Field(None, ge=1)
+    ray_actor_options: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_scaling_mode(self):
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("set num_replicas or autoscaling_config, not both")
+        return self
+
+    def options(self, **defaults) -> dict[str, Any]:
+        given = {k: v for k, v in self.model_dump().items() if v is not None}
+        if "autoscaling_config" in given:
+            defaults.pop("num_replicas", None)
+        return {**defaults, **given}
+
+
+class AppArgs(_Strict):
+    model: str | None = None  # HF checkpoint directory; None = the embedded SmolLM2-135M-Instruct
+    model_name: str | None = None  # the base model's `model` id in the API
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    max_batch_size: int = Field(16, ge=1)
+    max_tokens_per_step: int = Field(1024, ge=1)
+    num_kv_blocks: int = Field(512, ge=1)
+    block_size: int = Field(16, ge=1)
+    max_loras: int = Field(8, ge=1)
+    max_lora_rank: int = Field(16, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    adapter_dirs: list[str] = []
+    replica: DeploymentArgs = DeploymentArgs()
+    ingress: DeploymentArgs = DeploymentArgs()
+    api_keys: list[ApiKeyArgs] = []
+    admin_key: str | None = Field(None, min_length=8)
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key: str
+    adapters: frozenset[str] | None  # None = every adapter
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the deployments need, resolved from AppArgs."""
+
+    model: str | None
+    model_name: str
+    engine: EngineConfig
+    adapter_dirs: tuple[str, ...]
+    api_keys: tuple[ApiKey, ...]
+    admin_key: str | None
+    replica_options: dict
+    ingress_options: dict
+
+    @property
+    def context_limit(self) -> int | None:
+        """Most tokens (prompt + completion) one request may hold: the KV cache bounds it too."""
+        kv = self.engine.num_kv_blocks * self.engine.block_size
+        return min(kv, self.engine.max_model_len) if self.engine.max_model_len else kv
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for e in error.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "args"
+        lines.append(f"  {field}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid serve_config.yaml args:\n" + "\n".join(lines)
+
+
+def _adapter_dirs(dirs: list[str]) -> tuple[str, ...]:
+    resolved = []
+    for i, d in enumerate(dirs):
+        path = Path(d).expanduser().resolve()  # relative to where `serve run` was started
+        if not path.is_dir():
+            raise ConfigError(f"invalid serve_config.yaml args:\n  adapter_dirs.{i}: no directory {str(path)!r}")
+        resolved.append(str(path))
+    return tuple(resolved)
+
+
+def parse_args(raw: dict | None, default_model_name: str) -> Settings:
+    try:
+        a = AppArgs.model_validate(raw or {})
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+    engine = EngineConfig(
+        max_num_seqs=a.max_batch_size, max_tokens_per_step=a.max_tokens_per_step, num_kv_blocks=a.num_kv_blocks,
+        block_size=a.block_size, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank, dtype=_DTYPES[a.dtype],
+        device=a.device, max_model_len=a.max_model_len,
+    )
+    name = a.model_name or (Path(a.model).name if a.model else default_model_name)
+    keys = tuple(ApiKey(k.key, frozenset(k.adapters) if k.adapters is not None else None) for k in a.api_keys)
+    return Settings(
+        model=a.model, model_name=name, engine=engine, adapter_dirs=_adapter_dirs(a.adapter_dirs), api_keys=keys,
+        admin_key=a.admin_key,
+        # The engine batches many requests: Serve's default of 5 in flight per replica would starve it.
+        replica_options=a.replica.options(num_replicas=1, max_ongoing_requests=4 * a.max_batch_size),
+        ingress_options=a.ingress.options(num_replicas=1, max_ongoing_requests=1024),
+    )

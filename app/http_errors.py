@@ -1,0 +1,78 @@
+"""Every error leaves the API in OpenAI's shape:
+`{"error": {"message", "type", "param", "code"}}`, with a 4xx for bad input.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from app.errors import LoraplexError
+
+log = logging.getLogger("ray.serve")
+
+
+def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(message: str, status: int, code: str | None = None, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, code, param), status_code=status)
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    """The JSON body as `model`; malformed JSON, a non-object, wrong types → 400."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False, include_context=True)) from None
+
+
+def loraplex_cause(exc: BaseException) -> LoraplexError | None:
+    """The LoraplexError behind exc, also when it crossed a Ray call (RayTaskError wraps it)."""
+    while exc is not None:
+        if isinstance(exc, LoraplexError):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
+
+
+def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return error_response(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}", 400)
+    if first.get("type") == "model_type" and not loc:
+        return error_response("the body must be a JSON object", 400)
+    # `param` names the top-level field (as OpenAI's errors do); deeper parts stay in the message
+    param = loc[0] if loc else None
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    return error_response(f"{'.'.join(loc)}: {message}" if loc else message, 400, "invalid_value", param)
+
+
+def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    return error_response(str(exc.detail), exc.status_code, None)
+
+
+def _loraplex_error(_: Request, exc: LoraplexError) -> JSONResponse:
+    return error_response(str(exc), exc.status, exc.code)
+
+
+def _any_error(_: Request, exc: Exception) -> JSONResponse:
+    cause = loraplex_cause(exc)
+    if cause is not None:
+        return error_response(str(cause), cause.status, cause.code)
+    log.exception("unhandled error", exc_info=exc)
+    return error_response("internal server error", 500, "internal_error")
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(LoraplexError, _loraplex_error)
+    app.add_exception_handler(Exception, _any_error)

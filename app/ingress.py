@@ -1,0 +1,133 @@
+"""The HTTP front door: an OpenAI-compatible API on FastAPI, as a Serve ingress.
+
+Per request: authenticate, validate the body, resolve `model` (the base model's
+name, or an adapter the caller may use), apply the chat template, tokenize, and
+stream the LoraReplica's chunks back (SSE) or collect them.
+"""
+# No `from __future__ import annotations` here: Serve's class-based FastAPI views need the
+# real `Request` annotation, not a string, to inject the request.
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from ray import serve
+
+from app import http_errors
+from app.admin import AdapterAdmin, RegisterAdapter
+from app.auth import Auth, Caller
+from app.config import Settings
+from app.errors import AdapterNotFoundError
+from app.openai_requests import ChatCompletionRequest, CompletionRequest
+from app.openai_responses import Formatter
+from app.protocol import GenerateRequest
+from app.registry import AdapterSpec
+from app.relay import ChunkStream, collect, sse_events
+
+api = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
+http_errors.install(api)
+
+_LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _load_model_files(model: str | None):
+    """The tokenizer and the context length, from the same checkpoint the replicas load."""
+    from transformers import AutoConfig
+
+    from app.engine.factory import load_tokenizer
+    from app.model.default import default_model_dir
+
+    path = model or default_model_dir()
+    return load_tokenizer(path), AutoConfig.from_pretrained(str(path)).max_position_embeddings
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, settings: Settings, replica, registry):
+        """replica, registry: handles to LoraReplica and AdapterRegistry."""
+        self.settings = settings
+        self.tokenizer, model_len = _load_model_files(settings.model)
+        kv_tokens = settings.engine.num_kv_blocks * settings.engine.block_size
+        self.context_limit = min(settings.engine.max_model_len or model_len, kv_tokens)
+        self.auth = Auth(settings.api_keys, settings.admin_key)
+        self.replica = replica
+        self.registry = registry
+        self.admin = AdapterAdmin(settings.model_name, replica, registry)
+        self.started = int(time.time())
+
+    # -- inference ----------------------------------------------------------------
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        caller = self._caller(request)  # before the body: no key → 401 whatever was sent
+        body = await http_errors.parse_body(request, CompletionRequest)
+        prompt = body.prompt
+        ids = list(prompt) if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
+        return await self._generate(body, caller, ids, chat=False, logprobs=body.logprobs)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        caller = self._caller(request)
+        body = await http_errors.parse_body(request, ChatCompletionRequest)
+        text = self.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return await self._generate(body, caller, ids, chat=True, logprobs=body.engine_logprobs)
+
+    async def _generate(self, body, caller: Caller, ids: list[int], chat: bool, logprobs: int | None):
+        adapter, epoch = await self._resolve(body.model, caller)
+        default_max = None if chat else _LEGACY_DEFAULT_MAX_TOKENS
+        params = body.sampling(len(ids), self.context_limit, default_max, logprobs)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request = GenerateRequest(request_id, tuple(ids), params, adapter.name if adapter else None)
+        generator = self.replica.options(stream=True).generate.remote(request, adapter, epoch)
+        stream = await ChunkStream.open(generator)  # validation errors raise here, before any bytes go out
+        fmt = Formatter(request_id, body.model, self.tokenizer, chat, logprobs is not None)
+        if body.stream:
+            return StreamingResponse(sse_events(fmt, stream, body.include_usage), media_type="text/event-stream")
+        return await collect(fmt, stream)
+
+    async def _resolve(self, model: str, caller: Caller) -> tuple[AdapterSpec | None, int]:
+        """(adapter spec or None for the base model, registry epoch); a 404 for anything the
+        caller may not see, worded the same whether it exists or not."""
+        if model == self.settings.model_name:
+            return None, 0
+        spec, epoch = (None, 0) if not caller.may_use(model) else await self.registry.lookup.remote(model)
+        if spec is None:
+            raise AdapterNotFoundError(f"The model `{model}` does not exist or you do not have access to it.")
+        return spec, epoch
+
+    # -- discovery --------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        caller = self._caller(request)
+        specs, _ = await self.registry.list.remote()
+        base = self.settings.model_name
+        cards = [self._card(base, None)] + [self._card(s.name, base) for s in specs if caller.may_use(s.name)]
+        return {"object": "list", "data": cards}
+
+    def _card(self, name: str, parent: str | None) -> dict:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "loraplex",
+                "root": parent or name, "parent": parent}
+
+    # -- adapter administration (admin key) ----------------------------------------------
+    @api.get("/v1/adapters")
+    async def list_adapters(self, request: Request):
+        self.auth.admin(request.headers.get("authorization"))
+        return await self.admin.list()
+
+    @api.post("/v1/adapters")
+    async def register_adapter(self, request: Request):
+        self.auth.admin(request.headers.get("authorization"))
+        return await self.admin.register(await http_errors.parse_body(request, RegisterAdapter))
+
+    @api.delete("/v1/adapters/{name}")
+    async def unregister_adapter(self, name: str, request: Request):
+        self.auth.admin(request.headers.get("authorization"))
+        return await self.admin.unregister(name)
+
+    def _caller(self, request: Request) -> Caller:
+        return self.auth.caller(request.headers.get("authorization"))

@@ -1,0 +1,177 @@
+"""OpenAI request bodies (what the official client sends), validated strictly.
+
+Wrong types and out-of-range values fail validation (→ 400). Features the
+engine does not implement (n > 1, penalties, logit_bias, tools, echo, …) are
+rejected by name rather than silently ignored; unknown extra fields are ignored,
+as OpenAI-compatible servers do.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from app.errors import ContextLengthError
+from app.protocol import SamplingParams
+
+_INT64 = 2**63 - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields both endpoints share."""
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # an extension (vLLM's); 0 = off
+    min_tokens: int = Field(0, ge=0)  # an extension (vLLM's)
+    n: int = 1
+    seed: int | None = Field(None, ge=-_INT64 - 1, le=_INT64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError("penalties are not supported (only 0)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value):
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value):
+        stops = [value] if isinstance(value, str) else value or []
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @model_validator(mode="after")
+    def _options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _requested_max(self) -> int | None:
+        return self.max_tokens
+
+    def sampling(self, prompt_len: int, context_limit: int, default_max: int | None, logprobs: int | None) -> SamplingParams:
+        """default_max None: up to the rest of the context (what chat clients expect)."""
+        room = context_limit - prompt_len
+        if room < 1:
+            raise ContextLengthError(f"the prompt ({prompt_len} tokens) leaves no room in the context ({context_limit} tokens)")
+        max_tokens = self._requested_max() or default_max or room
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            seed=self.seed, min_tokens=min(self.min_tokens, max_tokens), stop=stop, logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("only one prompt per request is supported")
+            prompt = prompt[0]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.tools or self.functions:
+            raise ValueError("tools and functions are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def _requested_max(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def chat(self) -> list[dict]:
+        """Messages for the chat template (`developer` is the newer name of `system`)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

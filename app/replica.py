@@ -1,0 +1,111 @@
+"""LoraReplica: the Serve deployment that owns one engine (one per GPU).
+
+The ingress streams GenerateRequests in through a DeploymentHandle
+(`.options(stream=True)`) and gets the engine's chunks back as they come.
+Cancelling that stream (client gone) closes the engine iterator, which aborts
+the request and frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from ray import serve
+
+from app.engine.async_engine import AsyncEngine
+from app.engine.config import EngineConfig
+from app.errors import LoraplexError
+from app.protocol import Chunk, GenerateRequest
+from app.registry import AdapterSpec, adapter_version
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    model: str | None  # None = the embedded default model
+    engine: EngineConfig
+    adapters: tuple[AdapterSpec, ...]  # registered at start-up
+
+
+def build_async_engine(settings: ReplicaSettings) -> AsyncEngine:
+    from app.engine.factory import build_engine
+
+    core = build_engine(settings.model, settings.engine, {s.name: s.path for s in settings.adapters})
+    return AsyncEngine(core)
+
+
+def _register(core, spec: AdapterSpec) -> None:
+    core.adapters.register(spec.name, spec.path)
+
+
+def _unregister(core, name: str) -> None:
+    core.adapters.unregister(name)
+
+
+def _stats(core) -> dict:
+    return core.stats()
+
+
+@serve.deployment(name="LoraReplica")
+class LoraReplica:
+    def __init__(self, settings: ReplicaSettings, registry, engine_factory: Callable = build_async_engine):
+        """registry: a handle to AdapterRegistry; engine_factory(settings) → an AsyncEngine (a seam for tests)."""
+        self.started_at = time.time()
+        self.engine = engine_factory(settings)
+        self.registry = registry
+        self.versions = {s.name: s.version for s in settings.adapters}  # what this engine has loaded
+        self.epoch = 0  # the registry epoch this replica last synced with
+        self.draining = False  # set by scale-down (cluster/) once this replica must empty
+
+    async def generate(self, request: GenerateRequest, adapter: AdapterSpec | None,
+                       epoch: int) -> AsyncIterator[Chunk | LoraplexError]:
+        """The request's chunks, or (instead of any) the LoraplexError that rejected it."""
+        try:
+            await self._sync(epoch)
+            if adapter is not None:
+                await self._ensure(adapter)
+            async for chunk in self.engine.generate(request):
+                yield chunk
+        except LoraplexError as exc:  # bad input, not a replica failure: yielded, so Serve logs no traceback
+            yield exc
+
+    async def load_adapter(self, name: str, path: str) -> AdapterSpec:
+        """Load (and so validate) an adapter now; raises InvalidAdapterError for a bad one."""
+        spec = AdapterSpec(name, path, await asyncio.to_thread(adapter_version, path))
+        await self._ensure(spec)
+        return spec
+
+    async def stats(self) -> dict:
+        """The engine's current counters, read on its own thread (exact, not a stale snapshot)."""
+        return await asyncio.wrap_future(self.engine.call(_stats))
+
+    async def record_routing_stats(self) -> dict:
+        """Serve polls this for the request router (the routing-stats contract of DESIGN.md)."""
+        s = await self.stats()
+        return {
+            "running": s["running"], "waiting": s["waiting"], "max_batch": s["max_batch"],
+            "free_kv_blocks": s["free_kv_blocks"], "total_kv_blocks": s["total_kv_blocks"],
+            "resident_adapters": s["resident_adapters"], "draining": self.draining, "started_at": self.started_at,
+        }
+
+    async def _ensure(self, spec: AdapterSpec) -> None:
+        if self.versions.get(spec.name) != spec.version:
+            await asyncio.wrap_future(self.engine.call(_register, spec))
+            self.versions[spec.name] = spec.version
+
+    async def _sync(self, epoch: int) -> None:
+        """Drop adapters unregistered since the last sync (cheap: only when the epoch moved)."""
+        if epoch <= self.epoch:
+            return
+        specs, latest = await self.registry.list.remote()
+        for name in set(self.versions) - {s.name for s in specs}:
+            del self.versions[name]  # before awaiting: a concurrent sync must not drop it twice
+            await asyncio.wrap_future(self.engine.call(_unregister, name))
+        self.epoch = max(self.epoch, latest)
+
+    def __del__(self):
+        self.engine.shutdown()
