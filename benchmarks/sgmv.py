@@ -26,6 +26,10 @@ RANKS = (8, 16, 32, 64)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 WORKLOADS = ("distinct", "uniform", "skewed", "identical")
 PREFILL = [(r, w, t) for r in (16, 64) for w in ("identical", "uniform") for t in (512, 2048, 8192)]
+# add_lora with each cluster width and with/without the L2 prefetch, to pick the defaults
+SWEEP = [(16, "distinct", b) for b in (1, 16, 32, 64)] + [(64, "distinct", b) for b in (1, 16, 64)] + [
+    (64, "identical", 1), (64, "identical", 64), (8, "distinct", 64), (32, "distinct", 64),
+    (16, "identical", 2048), (64, "uniform", 2048), (16, "uniform", 8192)]
 H, POOL, ZIPF, REPS = 4096, 512, 1.5, 100
 RESULT = pathlib.Path(__file__).parent / "results" / "sgmv_h200.json"
 
@@ -61,8 +65,12 @@ class Case:
     def segs(self):
         return self.indptr, self.slot_ids, self.ranks
 
-    def ours(self, prefetch=True):
-        sgmv.add_lora(self.y, self.x, self.A, self.B, *self.segs(), self.scales, prefetch=prefetch)
+    def ours(self, prefetch=True, split=None):
+        if split is None:
+            sgmv.add_lora(self.y, self.x, self.A, self.B, *self.segs(), self.scales, prefetch=prefetch)
+        else:  # a forced cluster width, for the sweep
+            sgmv._run(sgmv.FUSED, self.batch, x=self.x, y=self.y, A=self.A, B=self.B, indptr=self.indptr,
+                      slot_ids=self.slot_ids, ranks=self.ranks, scales=self.scales, prefetch=prefetch, split=split)
 
     def ours_2launch(self):
         sgmv.sgmv_shrink(self.v, self.x, self.A, *self.segs())
@@ -98,11 +106,20 @@ def time_graph(fn, flush, reps=REPS):
 
 
 def copy_bandwidth():
-    """Device-to-device copy, bytes read + written per second."""
+    """Device-to-device copy, bytes read + written per second (after a warm-up that lifts the clocks)."""
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = time_graph(lambda: dst.copy_(src), torch.empty(0, device="cuda"), reps=20)
+    for _ in range(50):
+        dst.copy_(src)
+    us = time_graph(lambda: dst.copy_(src), torch.empty(0, device="cuda"), reps=50)
     return 2 * src.numel() / (us * 1e-6)
+
+
+def resident_clusters():
+    """Clusters of the fused r=16 decode kernel resident at once, per cluster width."""
+    arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
+    return {split: sgmv._resident_items(sgmv.kernel_name(sgmv.FUSED, torch.float16, 16, 64, arch, split)[0],
+                                        split, torch.cuda.current_device()) for split in (4, 8, 16)}
 
 
 def check(case):
@@ -123,7 +140,7 @@ def run(out):
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     bw = copy_bandwidth()
     null_us = time_graph(lambda: torch.cuda._sleep(0), flush)
-    rows, prefill = [], []
+    rows, prefill, sweep = [], [], []
     for rank in RANKS:
         pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
                 torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
@@ -133,7 +150,6 @@ def run(out):
                 check(case)
                 row = dict(rank=rank, workload=workload, batch=batch, num_adapters=len(case.slots),
                            ours_us=time_graph(case.ours, flush),
-                           ours_noprefetch_us=time_graph(lambda: case.ours(prefetch=False), flush),
                            ours_2launch_us=time_graph(case.ours_2launch, flush),
                            loop_us=time_graph(case.loop, flush),
                            gather_bmm_us=time_graph(case.gather_bmm, flush),
@@ -149,13 +165,21 @@ def run(out):
                                     ours_us=time_graph(case.ours, flush), loop_us=time_graph(case.loop, flush),
                                     floor_us=case.floor_bytes() / bw * 1e6))
                 print(prefill[-1], flush=True)
+        for r, workload, batch in SWEEP:
+            if r == rank:
+                case = Case(rank, workload, batch, rng, pool)
+                for split in (4, 8, 16):
+                    for prefetch in (True, False):
+                        sweep.append(dict(rank=rank, workload=workload, batch=batch, split=split, prefetch=prefetch,
+                                          us=time_graph(lambda: case.ours(prefetch, split), flush)))
+                        print(sweep[-1], flush=True)
         del pool
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
-                copy_bw_GBps=bw / 1e9, null_graph_us=null_us, hidden=H, pool=POOL, dtype="float16",
+                copy_bw_GBps=bw / 1e9, null_graph_us=null_us, resident_clusters=resident_clusters(), hidden=H, pool=POOL, dtype="float16",
                 zipf_alpha=ZIPF, reps=REPS,
                 timing="median of CUDA-event timings of a one-add-on CUDA graph replayed behind a 256 MiB "
                        "L2 flush; null_graph_us: the same for a graph holding one empty kernel")
-    out.write_text(json.dumps(dict(meta=meta, rows=rows, prefill=prefill), indent=1))
+    out.write_text(json.dumps(dict(meta=meta, rows=rows, prefill=prefill, sweep=sweep), indent=1))
 
 
 def attach_peers(result, peers_path):

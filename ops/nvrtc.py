@@ -150,6 +150,10 @@ def load_function(source: str, name_expr: str, device: int) -> driver.CUfunction
     _drv(driver.cuCtxPushCurrent(ctx), "push context")
     try:
         module = _drv(driver.cuModuleLoadData(cubin), f"load {name_expr}")
-        return _drv(driver.cuModuleGetFunction(module, lowered.encode()), f"get {lowered}")
+        func = _drv(driver.cuModuleGetFunction(module, lowered.encode()), f"get {lowered}")
+        if major >= 9:  # clusters of 16 blocks need this opt-in; harmless for the rest
+            allow = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+            driver.cuFuncSetAttribute(func, allow, 1)
+        return func
     finally:
         _drv(driver.cuCtxPopCurrent(), "pop context")

@@ -22,6 +22,9 @@ from . import nvrtc, reference
 SHRINK, EXPAND, FUSED = 0, 1, 2
 _THREADS = 128
 _SPLIT = 8  # blocks sharing one work item: split-K in the shrink, split-N in the expand
+# add_lora on sm_90: the widest split whose whole grid is resident at once (a
+# second wave doubles a decode step); when none is, the one that suits prefill.
+_FUSED_SPLITS, _FUSED_MANY = (16, 8, 4), 8
 _RMAX = (16, 32, 64, 128)
 _BIG_TILE_TOKENS = 256  # fused, from here on 32-row items: adapters re-read from L2 half as often
 _CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
@@ -35,13 +38,14 @@ class _Args(ctypes.Structure):
     _fields_ += [(n, ctypes.c_int) for n in ("nseg", "tokens", "h_in", "h_out", "max_rank", "prefetch")]
 
 
-def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch: int):
+def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch: int, split: int = _SPLIT):
     """(template instantiation, blocks per item, rows per item) for one call shape."""
     rmax = next((r for r in _RMAX if max_rank <= r), None)
     if rmax is None:
         raise ValueError(f"max_rank {max_rank} > {_RMAX[-1]}")
     mt = 2 if mode == FUSED and tokens >= _BIG_TILE_TOKENS else 1
-    split = _SPLIT if mode == EXPAND or arch >= 90 else 1  # split-K needs clusters (sm_90)
+    if mode != EXPAND and arch < 90:
+        split = 1  # split-K sums partials across a cluster: sm_90 only
     cluster = "cluster_" if split > 1 and mode != EXPAND else ""
     name = f"sgmv_{cluster}kernel<{_CTYPE[dtype]}, {rmax}, {mt}, {split}, {mode}, float>"
     return name, split, 16 * mt
@@ -49,9 +53,22 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
 
 def all_kernel_names(arch: int) -> list[str]:
     """Every instantiation the wrappers can ask for on `arch` (CI compiles them all)."""
-    shapes = [(m, dt, r, t) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
-              for t in (1, _BIG_TILE_TOKENS)]
-    return sorted({kernel_name(*shape, arch)[0] for shape in shapes})
+    shapes = [(m, dt, r, t, split) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
+              for t in (1, _BIG_TILE_TOKENS) for split in (_FUSED_SPLITS if m == FUSED else (_SPLIT,))]
+    return sorted({kernel_name(m, dt, r, t, arch, split)[0] for m, dt, r, t, split in shapes})
+
+
+@functools.cache
+def _resident_items(name: str, split: int, device: int) -> int:
+    func = nvrtc.load_function("sgmv.cu", name, device)
+    return _launch.resident_clusters(func, split, _THREADS, device)
+
+
+def _fused_split(dtype, max_rank, tokens, items, device, arch) -> int:
+    for split in _FUSED_SPLITS:
+        if items <= _resident_items(kernel_name(FUSED, dtype, max_rank, tokens, arch, split)[0], split, device):
+            return split
+    return _FUSED_MANY
 
 
 @functools.cache
@@ -79,13 +96,17 @@ def _ptr(t, offset=0):
 
 
 def _run(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_ids, ranks, scales=None,
-         y_offset=0, prefetch=True):
+         y_offset=0, prefetch=True, split=None):
     pool = A if A is not None else B
-    dev = pool.device
-    name, split, rows = kernel_name(mode, pool.dtype, pool.shape[1], tokens, _arch(dev.index))
-    nseg = slot_ids.numel()
+    dev, arch, nseg = pool.device, _arch(pool.device.index), slot_ids.numel()
     if nseg == 0 or tokens == 0:
         return
+    if split is None:
+        split = _SPLIT
+        if mode == FUSED and arch >= 90:
+            rows = kernel_name(mode, pool.dtype, pool.shape[1], tokens, arch)[2]
+            split = _fused_split(pool.dtype, pool.shape[1], tokens, nseg + (tokens + rows - 1) // rows, dev.index, arch)
+    name, split, rows = kernel_name(mode, pool.dtype, pool.shape[1], tokens, arch, split)
     args = _Args(
         x=_ptr(x), y=_ptr(y, y_offset), v=_ptr(v), A=_ptr(A), B=_ptr(B),
         indptr=_ptr(indptr), slot_ids=_ptr(slot_ids), ranks=_ptr(ranks), scales=_ptr(scales),

@@ -42,15 +42,16 @@ __device__ __forceinline__ bool find_piece(const int* indptr, const int* slot_id
   const int nblk = (tokens + M - 1) / M;
   const int i = merge_corank(indptr, nseg, nblk, M, item + 1);
   const int j = item + 1 - i;
-  if (i == 0) return false;  // rows before the first segment
-  const int seg_start = __ldg(indptr + i - 1);
+  // Issue the three loads together: each is a DRAM round trip after an L2 flush.
+  const int seg = max(i - 1, 0);
+  const int seg_start = __ldg(indptr + seg), seg_end = __ldg(indptr + seg + 1);
+  const int slot = __ldg(slot_ids + seg);
+  if (i == 0 || slot < 0) return false;  // rows before the first segment / no adapter
   const bool from_block = j > 0 && (j - 1) * M >= seg_start;
   if (from_block && (j - 1) * M == seg_start) return false;  // the segment's own item has it
   const int start = from_block ? (j - 1) * M : seg_start;
-  const int end = min(__ldg(indptr + i), (start / M + 1) * M);
+  const int end = min(seg_end, (start / M + 1) * M);
   if (end <= start) return false;
-  const int slot = __ldg(slot_ids + i - 1);
-  if (slot < 0) return false;
   const int rank = min(__ldg(ranks + slot), max_rank);
   if (rank <= 0) return false;
   pc = Piece{start, end - start, slot, rank, scales ? __ldg(scales + slot) : 0.f};  // no scales: shrink

@@ -83,11 +83,12 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
   const T* A = static_cast<const T*>(a.A) + (long long)pc.slot * a.a_slot;
   for (int n0 = 0; n0 < pc.rank; n0 += NTG * 8) {
     float acc[MT][NTG][4] = {};
-    for (int s0 = w; s0 < nsteps; s0 += WARPS * U) {
+    // A warp takes U consecutive 64-byte steps of each row: whole 128-byte lines.
+    for (int s0 = w * U; s0 < nsteps; s0 += WARPS * U) {
       uint4 xv[U][MT][2], av[U][NTG];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int s = s0 + u * WARPS, k = ks.x + s * 32 + q * 8;
+        const int s = s0 + u, k = ks.x + s * 32 + q * 8;
         const bool kin = s < nsteps && k < ks.y;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
