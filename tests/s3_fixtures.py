@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -67,13 +68,15 @@ def assert_same_weights(got, want) -> None:
 class Fault:
     """kind: "status" (an S3 error reply), "reset" (RST mid-body), "corrupt" (a flipped byte),
     "truncate" (short body, honest length), "slow" (no reply for delay_s), "stall" (half the body,
-    then nothing for delay_s). times: how many matching requests get it (None: all)."""
+    then nothing for delay_s), "pass" (no fault: just run `before`). times: how many matching
+    requests get it (None: all). before: called before the request is forwarded."""
 
     kind: str
     status: int = 500
     code: str = "InternalError"
     delay_s: float = 0.0
     times: int | None = None
+    before: Callable[[], None] | None = None
 
 
 @dataclass
@@ -118,6 +121,8 @@ class _Handler(BaseHTTPRequestHandler):
         fault = self.state.take(self.command, self.path)
         if fault and fault.kind == "status":
             return self._error(fault)
+        if fault and fault.before:
+            fault.before()
         if fault and fault.kind == "slow":
             time.sleep(fault.delay_s)
         status, headers, data, length = self._forward(body)
@@ -188,6 +193,16 @@ class FaultProxy:
         self.server.server_close()
 
 
+def store_config(env: "S3Env", root: Path, **overrides):
+    """A store config talking to S3 through the fault proxy, with test-sized timeouts."""
+    from adapters_store.disk_cache import DiskCacheConfig
+    from adapters_store.s3_source import S3Config
+    from adapters_store.store import StoreConfig
+
+    s3_cfg = S3Config(endpoint_url=env.proxy.url, connect_timeout_s=1.0, read_timeout_s=1.0, max_attempts=2)
+    return StoreConfig(**{"max_rank": 16, "disk": DiskCacheConfig(root / "cache"), "s3": s3_cfg, **overrides})
+
+
 # -- fixtures ---------------------------------------------------------------------------------------
 @dataclass
 class S3Env:
@@ -228,10 +243,12 @@ def s3(tmp_path_factory):
             server.stop()
 
 
+# The shape of tests.helpers.make_tiny_llama (hidden 64, 8 heads, 2 KV heads, MLP 160, 3 layers), written
+# out so that store tests need no model (test_store_s3 checks it against the real config).
+TINY_SHAPE = ModelShape(3, {"q_proj": (64, 64), "k_proj": (64, 16), "v_proj": (64, 16), "o_proj": (64, 64),
+                            "gate_proj": (64, 160), "up_proj": (64, 160), "down_proj": (160, 64)})
+
+
 @pytest.fixture(scope="module")
-def shape(tiny_model_dir) -> ModelShape:
-    from transformers import AutoConfig
-
-    from app.model.config import ModelConfig
-
-    return ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_model_dir)).shape
+def shape() -> ModelShape:
+    return TINY_SHAPE
