@@ -47,7 +47,7 @@ def _unregister(core, name: str) -> None:
 
 
 def _stats(core) -> dict:
-    return core.stats()
+    return {**core.stats(), "adapters": core.adapters.names()}
 
 
 @serve.deployment(name="LoraReplica")
@@ -80,7 +80,7 @@ class LoraReplica:
         return spec
 
     async def stats(self) -> dict:
-        """The engine's current counters, read on its own thread (exact, not a stale snapshot)."""
+        """The engine's counters and loaded adapters, read on its own thread (exact, not a stale snapshot)."""
         return await asyncio.wrap_future(self.engine.call(_stats))
 
     async def record_routing_stats(self) -> dict:

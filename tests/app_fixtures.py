@@ -1,0 +1,88 @@
+"""Helpers for the serving-app tests: start local Ray + Serve with the project's own
+serve_config.yaml args on a free loopback port, and read replica stats."""
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import socket
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "serve_config.yaml"
+APP = "loraplex"
+# Ray's usage-stats reporter would try to reach the internet: tests talk to loopback only.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def config_args(**overrides) -> dict:
+    """The `args:` of serve_config.yaml's application, with overrides on top."""
+    config = yaml.safe_load(CONFIG.read_text())
+    return {**copy.deepcopy(config["applications"][0]["args"]), **overrides}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def example_adapter_names() -> list[str]:
+    from app.generate import EXAMPLE_ADAPTERS, local_adapters
+
+    return sorted(local_adapters(EXAMPLE_ADAPTERS))
+
+
+@contextmanager
+def serving(apps: dict[str, tuple[object, str]], num_cpus: int = 4):
+    """Deploy {name: (application, route_prefix)} on a fresh local Ray; yields the base URL."""
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        targets = [serve.RunTarget(app, name=name, route_prefix=prefix) for name, (app, prefix) in apps.items()]
+        serve.run_many(targets)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def replica_stats(app: str = APP) -> dict:
+    """The engine's live counters (running, waiting, free_kv_blocks, max_batch_seen, …)."""
+    from ray import serve
+
+    return serve.get_deployment_handle("LoraReplica", app).stats.remote().result()
+
+
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.2):
+    """Poll until predicate() returns something truthy; return it (or the last value on timeout)."""
+    deadline = time.monotonic() + timeout
+    value = predicate()
+    while not value and time.monotonic() < deadline:
+        time.sleep(interval)
+        value = predicate()
+    return value
+
+
+def failing_engine(settings):
+    """A real engine whose forward pass fails from the 4th step on (tests the mid-stream path)."""
+    from app.replica import build_async_engine
+
+    engine = build_async_engine(settings)
+    step, steps = engine.core.step, itertools.count()
+
+    def flaky():
+        if next(steps) >= 3:
+            raise RuntimeError("injected engine failure")
+        return step()
+
+    engine.core.step = flaky
+    return engine
