@@ -22,7 +22,6 @@ from typing import BinaryIO, Callable
 
 from adapters_store.errors import AdapterFetchError
 from adapters_store.paths import make_dirs
-from adapters_store.sources import ObjectInfo
 
 log = logging.getLogger("loraplex.adapters")
 _PARTIAL = ".partial"
@@ -37,6 +36,18 @@ class DiskCacheConfig:
     root: Path = field(default_factory=_default_root)
     budget_bytes: int = 64 << 30
     stale_partial_s: float = 3600.0  # older temp files belong to a dead download (live ones grow)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a downloaded object must be; every digest present is verified (hex strings)."""
+
+    size: int
+    etag: str | None = None
+    version_id: str | None = None
+    md5: str | None = None
+    sha256: str | None = None
+    crc32: str | None = None
 
 
 class VerifyingSink:

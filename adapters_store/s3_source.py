@@ -13,12 +13,12 @@ import re
 import time
 from dataclasses import dataclass
 
-from adapters_store.disk_cache import DiskCache, VerifyingSink
+from adapters_store.disk_cache import DiskCache, ObjectInfo, VerifyingSink
 from adapters_store.errors import AdapterFetchError, SourceChangedError
 from adapters_store.metrics import Progress
 from adapters_store.paths import NAME, S3Uri, cache_file
 from adapters_store.peft_weights import WEIGHTS_FILE
-from adapters_store.sources import (BIN_FILE, CONFIG_FILE, ObjectInfo, Snapshot, b64_to_hex, check_config_size,
+from adapters_store.sources import (BIN_FILE, CONFIG_FILE, Snapshot, b64_to_hex, check_config_size,
                                     missing_weights, version_of)
 from app.errors import AdapterNotFoundError
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from adapters_store.disk_cache import ObjectInfo
 from adapters_store.errors import SourceChangedError
 from adapters_store.peft_weights import WEIGHTS_FILE
 from app.errors import AdapterNotFoundError, InvalidAdapterError
@@ -22,18 +23,6 @@ from app.errors import AdapterNotFoundError, InvalidAdapterError
 CONFIG_FILE = "adapter_config.json"
 BIN_FILE = "adapter_model.bin"
 MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few KB; anything huge is not one
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """What a downloaded object must be; every digest present is verified (hex strings)."""
-
-    size: int
-    etag: str | None = None
-    version_id: str | None = None
-    md5: str | None = None
-    sha256: str | None = None
-    crc32: str | None = None
 
 
 @dataclass(frozen=True)
