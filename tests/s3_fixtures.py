@@ -198,13 +198,13 @@ class FaultProxy:
         self.server.server_close()
 
 
-def store_config(env: "S3Env", root: Path, **overrides):
-    """A store config talking to S3 through the fault proxy, with test-sized timeouts."""
+def store_config(endpoint_url: str, root: Path, **overrides):
+    """A store config for the S3 server at endpoint_url (usually the fault proxy), test-sized timeouts."""
     from adapters_store.disk_cache import DiskCacheConfig
     from adapters_store.s3_source import S3Config
     from adapters_store.store import StoreConfig
 
-    s3_cfg = S3Config(endpoint_url=env.proxy.url, connect_timeout_s=1.0, read_timeout_s=1.0, max_attempts=2)
+    s3_cfg = S3Config(endpoint_url=endpoint_url, connect_timeout_s=1.0, read_timeout_s=1.0, max_attempts=2)
     return StoreConfig(**{"max_rank": 16, "disk": DiskCacheConfig(root / "cache"), "s3": s3_cfg, **overrides})
 
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import weakref
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,8 +34,8 @@ def test_200_adapters_through_a_host_cache_of_20(tmp_path, s3, shape):
     local = {n: load_local(n, d, 16, shape) for n, d in dirs.items()}
     size = local["a0"].nbytes  # all the same rank and targets: the budget holds exactly HELD
     # Straight to moto (the proxy only doubles the requests' cost here); loads counted by the store.
-    config = store_config(s3, tmp_path, host=HostCacheConfig(budget_bytes=HELD * size), workers=8)
-    st = AdapterStore(shape, replace(config, s3=replace(config.s3, endpoint_url=s3.endpoint)))
+    st = AdapterStore(shape, store_config(s3.endpoint, tmp_path, host=HostCacheConfig(budget_bytes=HELD * size),
+                                          workers=8))
     for n in names:
         st.register(n, f"s3://{bucket}/fleet/{n}/")
 
@@ -75,7 +74,7 @@ def test_200_adapters_through_a_host_cache_of_20(tmp_path, s3, shape):
 def test_50_concurrent_first_requests_make_one_download(tmp_path, s3, shape):
     bucket = s3.bucket("flight")
     src = write_adapter(tmp_path / "a", shape, seed=5)
-    st = AdapterStore(shape, store_config(s3, tmp_path))
+    st = AdapterStore(shape, store_config(s3.proxy.url, tmp_path))
     st.register("a", upload_dir(s3.client, bucket, "a", src))
     st.register("b", f"s3://{bucket}/a")  # another name, same objects: its own identity
     s3.proxy.state.fault = Fault("slow", delay_s=0.3, times=1)  # keep the download in flight a while
@@ -108,7 +107,7 @@ def test_50_concurrent_first_requests_make_one_download(tmp_path, s3, shape):
 def test_disk_cache_stays_within_its_budget(tmp_path, s3, shape):
     bucket = s3.bucket("diskbudget")
     one = len((write_adapter(tmp_path / "probe", shape) / "adapter_model.safetensors").read_bytes())
-    st = AdapterStore(shape, store_config(s3, tmp_path, disk=DiskCacheConfig(tmp_path / "cache", 3 * one)))
+    st = AdapterStore(shape, store_config(s3.proxy.url, tmp_path, disk=DiskCacheConfig(tmp_path / "cache", 3 * one)))
     for i in range(8):
         st.register(f"a{i}", upload_dir(s3.client, bucket, f"a{i}", write_adapter(tmp_path / f"a{i}", shape, seed=i)))
         st.get(f"a{i}")

@@ -22,7 +22,7 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 @pytest.fixture
 def store(tmp_path, s3, shape):
-    st = AdapterStore(shape, store_config(s3, tmp_path, miss_ttl_s=0.3))
+    st = AdapterStore(shape, store_config(s3.proxy.url, tmp_path, miss_ttl_s=0.3))
     yield st
     st.close()
 
@@ -90,7 +90,7 @@ def test_boto3_conventions_env_endpoint_and_profile(tmp_path, s3, shape, monkeyp
     uri = upload_dir(s3.client, s3.bucket("conventions"), "a", write_adapter(tmp_path / "a", shape))
 
     def load(root, s3_cfg):
-        st = AdapterStore(shape, store_config(s3, root, s3=s3_cfg))
+        st = AdapterStore(shape, store_config(s3.proxy.url, root, s3=s3_cfg))
         try:
             st.register("a", uri)
             return st.get("a")
@@ -134,7 +134,7 @@ def test_unknown_adapters_are_404_and_cached_for_a_ttl(tmp_path, s3, shape, stor
 def test_default_root_resolves_unregistered_names(tmp_path, s3, shape):
     bucket = s3.bucket("root")
     upload_dir(s3.client, bucket, "adapters/alpha", write_adapter(tmp_path / "alpha", shape))
-    st = AdapterStore(shape, store_config(s3, tmp_path, default_root=f"s3://{bucket}/adapters/", miss_ttl_s=60))
+    st = AdapterStore(shape, store_config(s3.proxy.url, tmp_path, default_root=f"s3://{bucket}/adapters/", miss_ttl_s=60))
     assert st.get("alpha").manifest.rank == 2 and st.names() == []
     before = len(s3.proxy.state.requests)
     with ThreadPoolExecutor(8) as pool:

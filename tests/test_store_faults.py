@@ -1,0 +1,117 @@
+"""Fault injection between the store and S3 (a proxy in front of moto): 5xx, throttling, a
+connection reset mid-body, corrupt or truncated bodies, a server slower than the read timeout.
+Each must give bounded latency, an explicit error with a gateway status, no file in the cache
+(partial or not), and a clean load on the next attempt once the fault is gone."""
+import socket
+import time
+from dataclasses import replace
+
+import pytest
+
+from adapters_store.errors import AdapterFetchError
+from adapters_store.peft_weights import load_local
+from adapters_store.store import AdapterStore
+from tests.s3_fixtures import (Fault, assert_same_weights, s3, shape, store_config,  # noqa: F401 (fixtures)
+                               upload_dir, write_adapter)
+
+# 2 attempts x 1 s read timeout, plus standard-mode backoff (< 2 s) and slack for 2 busy cores.
+BOUND_S = 6.0
+
+FAULTS = {
+    "500": (Fault("status", 500, "InternalError"), 503),
+    "throttled": (Fault("status", 503, "SlowDown"), 503),
+    "reset-mid-body": (Fault("reset"), 503),
+    "corrupt": (Fault("corrupt"), 502),
+    "truncated": (Fault("truncate"), 502),
+    "slow": (Fault("slow", delay_s=2.5), 504),
+    "stall-mid-body": (Fault("stall", delay_s=2.5), 504),
+}
+
+
+def _cache_files(root):
+    return sorted(p for p in (root / "cache").rglob("*") if p.is_file())
+
+
+def _unsigned_client(s3):
+    """Uploads without the CRC32 boto3 adds by default: only the ETag (MD5) can verify the body."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=s3.endpoint, config=Config(request_checksum_calculation="when_required",
+                                                                      response_checksum_validation="when_required"))
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_gives_a_bounded_explicit_error_then_recovers(tmp_path, s3, shape, fault):
+    injected, status = FAULTS[fault]
+    src = write_adapter(tmp_path / "a", shape, seed=3)
+    uri = upload_dir(s3.client, s3.bucket(f"fault-{fault}"), "a", src)
+    st = AdapterStore(shape, store_config(s3.proxy.url, tmp_path))
+    st.register("a", uri)
+    s3.proxy.state.fault = injected  # every matching request, retries included, until cleared
+    start = time.monotonic()
+    try:
+        with pytest.raises(AdapterFetchError) as err:
+            st.get("a")
+    finally:
+        s3.proxy.state.fault = None
+    elapsed = time.monotonic() - start
+    assert elapsed < BOUND_S, f"{fault}: {elapsed:.1f} s"
+    assert err.value.status == status, str(err.value)
+    assert _cache_files(tmp_path) == []  # nothing partial, nothing corrupt, no temp file
+    assert st.peek("a") is None
+
+    assert_same_weights(st.get("a"), load_local("a", src, 16, shape))  # the next attempt just works
+    assert [p.name for p in _cache_files(tmp_path)] == ["adapter_model.safetensors"]
+    st.close()
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "truncated"])
+def test_our_own_checksum_catches_bad_bodies_without_s3_checksums(tmp_path, s3, shape, fault):
+    """boto3 verifies S3's CRC32 when the object has one; without it, the ETag MD5 check must."""
+    src = write_adapter(tmp_path / "a", shape, seed=4)
+    uri = upload_dir(_unsigned_client(s3), s3.bucket(f"md5-{fault}"), "a", src)
+    st = AdapterStore(shape, store_config(s3.proxy.url, tmp_path))
+    st.register("a", uri)
+    s3.proxy.state.fault = FAULTS[fault][0]
+    try:
+        with pytest.raises(AdapterFetchError, match="verification") as err:
+            st.get("a")
+    finally:
+        s3.proxy.state.fault = None
+    assert err.value.status == 502 and _cache_files(tmp_path) == []
+    assert_same_weights(st.get("a"), load_local("a", src, 16, shape))
+    st.close()
+
+
+def test_a_transient_fault_is_retried_by_boto3(tmp_path, s3, shape):
+    src = write_adapter(tmp_path / "a", shape, seed=6)
+    st = AdapterStore(shape, store_config(s3.proxy.url, tmp_path))
+    st.register("a", upload_dir(s3.client, s3.bucket("retried"), "a", src))
+    s3.proxy.state.fault = Fault("status", 503, "SlowDown", times=1)  # one throttled reply, then fine
+    assert_same_weights(st.get("a"), load_local("a", src, 16, shape))
+    assert st.stats().get("error.AdapterFetchError", 0) == 0
+    st.close()
+
+
+def test_a_download_deadline_bounds_a_trickling_server(tmp_path, s3, shape):
+    config = store_config(s3.proxy.url, tmp_path)
+    st = AdapterStore(shape, replace(config, s3=replace(config.s3, download_deadline_s=0.0, chunk_bytes=1024)))
+    st.register("a", upload_dir(s3.client, s3.bucket("deadline"), "a", write_adapter(tmp_path / "a", shape)))
+    with pytest.raises(AdapterFetchError, match="exceeded") as err:
+        st.get("a")
+    assert err.value.status == 504 and _cache_files(tmp_path) == []
+    st.close()
+
+
+def test_s3_unreachable_is_503_quickly(tmp_path, s3, shape):
+    with socket.socket() as sock:  # a port with nothing listening
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    st = AdapterStore(shape, store_config(f"http://127.0.0.1:{port}", tmp_path))
+    st.register("a", "s3://nobody-home/a/")
+    start = time.monotonic()
+    with pytest.raises(AdapterFetchError) as err:
+        st.get("a")
+    assert err.value.status == 503 and time.monotonic() - start < BOUND_S
+    st.close()
