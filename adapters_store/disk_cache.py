@@ -16,9 +16,10 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 from adapters_store.errors import AdapterFetchError
 from adapters_store.paths import make_dirs

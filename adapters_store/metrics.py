@@ -29,7 +29,8 @@ def _inside_ray() -> bool:
 
 class _RayExport:
     def __init__(self):
-        from ray.serve.metrics import Counter as RayCounter, Histogram
+        from ray.serve.metrics import Counter as RayCounter
+        from ray.serve.metrics import Histogram
 
         def counter(name, doc, tags):
             return RayCounter(f"loraplex_adapter_{name}", description=doc, tag_keys=tags)

@@ -6,8 +6,9 @@ cancels (an aborted HTTP request) cancels only its wait, never the load.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Hashable
 from concurrent.futures import CancelledError, Executor, Future, InvalidStateError
-from typing import Callable, Hashable, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -11,8 +11,9 @@ import pytest
 from adapters_store.errors import AdapterFetchError
 from adapters_store.peft_weights import load_local
 from adapters_store.store import AdapterStore
-from tests.s3_fixtures import (Fault, assert_same_weights, s3, shape, store_config,  # noqa: F401 (fixtures)
-                               upload_dir, write_adapter)
+from tests.s3_fixtures import Fault, assert_same_weights, store_config, upload_dir, write_adapter
+
+pytest_plugins = ["tests.s3_fixtures"]  # fixtures: s3, shape
 
 # 2 attempts x 1 s read timeout, plus standard-mode backoff (< 2 s) and slack for 2 busy cores.
 BOUND_S = 6.0
@@ -108,7 +109,8 @@ def test_s3_unreachable_is_503_quickly(tmp_path, s3, shape):
     with socket.socket() as sock:  # a port with nothing listening
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    st = AdapterStore(shape, store_config(f"http://127.0.0.1:{port}", tmp_path))
+    config = store_config(f"http://127.0.0.1:{port}", tmp_path)
+    st = AdapterStore(shape, replace(config, s3=replace(config.s3, max_attempts=1)))
     st.register("a", "s3://nobody-home/a/")
     start = time.monotonic()
     with pytest.raises(AdapterFetchError) as err:

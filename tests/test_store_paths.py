@@ -10,7 +10,9 @@ from adapters_store.disk_cache import DiskCache, DiskCacheConfig, ObjectInfo
 from adapters_store.paths import S3Uri, UnsafePathError, cache_file, check_name, parse_uri
 from adapters_store.store import AdapterStore
 from app.errors import InvalidRequestError
-from tests.s3_fixtures import s3, shape, store_config, upload_dir, write_adapter  # noqa: F401 (fixtures)
+from tests.s3_fixtures import store_config, upload_dir, write_adapter
+
+pytest_plugins = ["tests.s3_fixtures"]  # fixtures: s3, shape
 
 V = "0123456789abcdef"
 BAD_URIS = [

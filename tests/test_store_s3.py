@@ -14,8 +14,9 @@ from adapters_store.s3_source import S3Config, S3Source, discover
 from adapters_store.store import AdapterStore
 from app.errors import AdapterNotFoundError, InvalidAdapterError
 from tests.helpers import make_random_adapter
-from tests.s3_fixtures import (Fault, assert_same_weights, s3, shape, store_config,  # noqa: F401 (fixtures)
-                               upload_dir, write_adapter)
+from tests.s3_fixtures import Fault, assert_same_weights, store_config, upload_dir, write_adapter
+
+pytest_plugins = ["tests.s3_fixtures"]  # fixtures: s3, shape
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
