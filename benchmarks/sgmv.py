@@ -65,10 +65,10 @@ class Case:
     def segs(self):
         return self.indptr, self.slot_ids, self.ranks
 
-    def ours(self, prefetch=True, split=None):
-        if split is None:
-            sgmv.add_lora(self.y, self.x, self.A, self.B, *self.segs(), self.scales, prefetch=prefetch)
-        else:  # a forced cluster width, for the sweep
+    def ours(self, prefetch=None, split=None):
+        if split is None and prefetch is None:
+            sgmv.add_lora(self.y, self.x, self.A, self.B, *self.segs(), self.scales)
+        else:  # forced cluster width / prefetch, for the sweep
             sgmv._run(sgmv.FUSED, self.batch, x=self.x, y=self.y, A=self.A, B=self.B, indptr=self.indptr,
                       slot_ids=self.slot_ids, ranks=self.ranks, scales=self.scales, prefetch=prefetch, split=split)
 
@@ -107,19 +107,12 @@ def time_graph(fn, flush, reps=REPS):
 
 def copy_bandwidth():
     """Device-to-device copy, bytes read + written per second (after a warm-up that lifts the clocks)."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    src = torch.randn(2**28, device="cuda")  # 1 GiB; torch.neg is an SM kernel, copy_ a DMA copy
     dst = torch.empty_like(src)
     for _ in range(50):
-        dst.copy_(src)
-    us = time_graph(lambda: dst.copy_(src), torch.empty(0, device="cuda"), reps=50)
-    return 2 * src.numel() / (us * 1e-6)
-
-
-def resident_clusters():
-    """Clusters of the fused r=16 decode kernel resident at once, per cluster width."""
-    arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
-    return {split: sgmv._resident_items(sgmv.kernel_name(sgmv.FUSED, torch.float16, 16, 64, arch, split)[0],
-                                        split, torch.cuda.current_device()) for split in (4, 8, 16)}
+        torch.neg(src, out=dst)
+    us = time_graph(lambda: torch.neg(src, out=dst), torch.empty(0, device="cuda"), reps=50)
+    return 2 * 4 * src.numel() / (us * 1e-6)
 
 
 def check(case):
@@ -175,7 +168,7 @@ def run(out):
                         print(sweep[-1], flush=True)
         del pool
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
-                copy_bw_GBps=bw / 1e9, null_graph_us=null_us, resident_clusters=resident_clusters(), hidden=H, pool=POOL, dtype="float16",
+                copy_bw_GBps=bw / 1e9, null_graph_us=null_us, hidden=H, pool=POOL, dtype="float16",
                 zipf_alpha=ZIPF, reps=REPS,
                 timing="median of CUDA-event timings of a one-add-on CUDA graph replayed behind a 256 MiB "
                        "L2 flush; null_graph_us: the same for a graph holding one empty kernel")

@@ -22,21 +22,3 @@ def launch(func: driver.CUfunction, grid: int, block: int, args: ctypes.Structur
     if err != _SUCCESS:
         raise RuntimeError(f"cuLaunchKernel: {driver.cuGetErrorString(err)[1].decode()}")
 
-
-def resident_clusters(func: driver.CUfunction, cluster: int, block: int, device: int) -> int:
-    """How many clusters of `cluster` blocks of `func` the device runs at once (driver's count)."""
-    if cluster == 1:
-        blocks = _ok(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(func, block, 0))
-        return blocks * torch.cuda.get_device_properties(device).multi_processor_count
-    cfg = driver.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cluster, 1, 1
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
-    cfg.sharedMemBytes, cfg.numAttrs = 0, 0
-    return _ok(driver.cuOccupancyMaxActiveClusters(func, cfg))
-
-
-def _ok(result):
-    err, value = result
-    if err != _SUCCESS:
-        raise RuntimeError(f"occupancy query: {driver.cuGetErrorString(err)[1].decode()}")
-    return value

@@ -22,9 +22,12 @@ from . import nvrtc, reference
 SHRINK, EXPAND, FUSED = 0, 1, 2
 _THREADS = 128
 _SPLIT = 8  # blocks sharing one work item: split-K in the shrink, split-N in the expand
-# add_lora on sm_90: the widest split whose whole grid is resident at once (a
-# second wave doubles a decode step); when none is, the one that suits prefill.
-_FUSED_SPLITS, _FUSED_MANY = (16, 8, 4), 8
+# add_lora on sm_90, measured on the H200: spread an item over as many blocks as
+# keeps the grid within two blocks per SM, else 4 (also best for prefill).
+_FUSED_SPLITS, _BLOCKS_PER_SM = (16, 8, 4), 2
+# L2-prefetch every row a block touches while it still waits on the rank
+# (measured: wins while few blocks run, loses once DRAM is busy).
+_PREFETCH_ITEM_RANKS = 512
 _RMAX = (16, 32, 64, 128)
 _BIG_TILE_TOKENS = 256  # fused, from here on 32-row items: adapters re-read from L2 half as often
 _CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
@@ -58,17 +61,14 @@ def all_kernel_names(arch: int) -> list[str]:
     return sorted({kernel_name(m, dt, r, t, arch, split)[0] for m, dt, r, t, split in shapes})
 
 
+def _fused_split(items: int, device: int) -> int:
+    sms = _sm_count(device)
+    return next((s for s in _FUSED_SPLITS if items * s <= _BLOCKS_PER_SM * sms), _FUSED_SPLITS[-1])
+
+
 @functools.cache
-def _resident_items(name: str, split: int, device: int) -> int:
-    func = nvrtc.load_function("sgmv.cu", name, device)
-    return _launch.resident_clusters(func, split, _THREADS, device)
-
-
-def _fused_split(dtype, max_rank, tokens, items, device, arch) -> int:
-    for split in _FUSED_SPLITS:
-        if items <= _resident_items(kernel_name(FUSED, dtype, max_rank, tokens, arch, split)[0], split, device):
-            return split
-    return _FUSED_MANY
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
@@ -96,17 +96,19 @@ def _ptr(t, offset=0):
 
 
 def _run(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_ids, ranks, scales=None,
-         y_offset=0, prefetch=True, split=None):
+         y_offset=0, prefetch=None, split=None):
+    """Launch one kernel; prefetch / split None: the measured defaults (forced by the benchmark)."""
     pool = A if A is not None else B
-    dev, arch, nseg = pool.device, _arch(pool.device.index), slot_ids.numel()
+    dev, arch, nseg, max_rank = pool.device, _arch(pool.device.index), slot_ids.numel(), pool.shape[1]
     if nseg == 0 or tokens == 0:
         return
+    rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch)[2]
+    items = nseg + (tokens + rows - 1) // rows
     if split is None:
-        split = _SPLIT
-        if mode == FUSED and arch >= 90:
-            rows = kernel_name(mode, pool.dtype, pool.shape[1], tokens, arch)[2]
-            split = _fused_split(pool.dtype, pool.shape[1], tokens, nseg + (tokens + rows - 1) // rows, dev.index, arch)
-    name, split, rows = kernel_name(mode, pool.dtype, pool.shape[1], tokens, arch, split)
+        split = _fused_split(items, dev.index) if mode == FUSED else _SPLIT
+    if prefetch is None:
+        prefetch = items * max_rank <= _PREFETCH_ITEM_RANKS
+    name, split, rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split)
     args = _Args(
         x=_ptr(x), y=_ptr(y, y_offset), v=_ptr(v), A=_ptr(A), B=_ptr(B),
         indptr=_ptr(indptr), slot_ids=_ptr(slot_ids), ranks=_ptr(ranks), scales=_ptr(scales),
@@ -118,10 +120,9 @@ def _run(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_i
         nseg=nseg, tokens=tokens,
         h_in=0 if A is None else A.shape[2],
         h_out=0 if B is None else B.shape[2],
-        max_rank=pool.shape[1], prefetch=int(prefetch),
+        max_rank=max_rank, prefetch=int(prefetch),
     )
     func = nvrtc.load_function("sgmv.cu", name, dev.index)
-    items = nseg + (tokens + rows - 1) // rows
     _launch.launch(func, items * split, _THREADS, args, dev)
 
 
@@ -156,7 +157,7 @@ def sgmv_expand(y, v, B, indptr, slot_ids, ranks, scales, y_offset=0):
     return y
 
 
-def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, prefetch=True):
+def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None):
     """y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T @ B[slot_i, :r_i].
 
     The whole LoRA add-on in one launch: a cluster of 8 blocks per work item
@@ -166,8 +167,7 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, pr
     y.stride(0)); x: [tokens, h_in]; A: [slots, max_rank, h_in];
     B: [slots, max_rank, h_out]. v never leaves the chip, so no scratch is
     needed; pass v (float32 [tokens, >= max_rank]) to also receive x @ A.T as
-    sgmv_shrink writes it. `prefetch=False` skips the L2 prefetch (benchmarks).
-    Returns y.
+    sgmv_shrink writes it. Returns y.
     """
     if not x.is_cuda:
         if v is not None:
@@ -176,5 +176,5 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, pr
     _check(x, A, y, v, (indptr, slot_ids, ranks, scales), y_offset)
     _check(x, B, y, None, (), y_offset)
     _run(FUSED, x.shape[0], x=x, y=y, v=v, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks,
-         scales=scales, y_offset=y_offset, prefetch=prefetch)
+         scales=scales, y_offset=y_offset)
     return y

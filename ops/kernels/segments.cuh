@@ -36,8 +36,9 @@ __device__ __forceinline__ int merge_corank(const int* indptr, int nseg, int nbl
 }
 
 // Every warp calls this (all lanes); false means the item has nothing to do.
-__device__ __forceinline__ bool find_piece(const int* indptr, const int* slot_ids, const int* ranks,
-                                           const float* scales, int nseg, int tokens, int max_rank,
+// Fills start, rows and slot; rank and scale come from adapter_rank, one
+// dependent load later, so the caller can start prefetching in between.
+__device__ __forceinline__ bool find_piece(const int* indptr, const int* slot_ids, int nseg, int tokens,
                                            int M, int item, Piece& pc) {
   const int nblk = (tokens + M - 1) / M;
   const int i = merge_corank(indptr, nseg, nblk, M, item + 1);
@@ -51,9 +52,12 @@ __device__ __forceinline__ bool find_piece(const int* indptr, const int* slot_id
   if (from_block && (j - 1) * M == seg_start) return false;  // the segment's own item has it
   const int start = from_block ? (j - 1) * M : seg_start;
   const int end = min(seg_end, (start / M + 1) * M);
-  if (end <= start) return false;
-  const int rank = min(__ldg(ranks + slot), max_rank);
-  if (rank <= 0) return false;
-  pc = Piece{start, end - start, slot, rank, scales ? __ldg(scales + slot) : 0.f};  // no scales: shrink
-  return true;
+  pc.start = start, pc.rows = end - start, pc.slot = slot;
+  return end > start;
+}
+
+__device__ __forceinline__ bool adapter_rank(const int* ranks, const float* scales, int max_rank, Piece& pc) {
+  pc.rank = min(__ldg(ranks + pc.slot), max_rank);
+  pc.scale = scales ? __ldg(scales + pc.slot) : 0.f;  // the shrink has no scales
+  return pc.rank > 0;
 }

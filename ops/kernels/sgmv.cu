@@ -47,7 +47,6 @@ template <class T, int RMAX, int MT>
 struct Tile {
   static constexpr int M = 16 * MT;                      // rows per item
   static constexpr int NTG = cmin(RMAX / 8, 8 / MT);     // rank n-tiles per shrink pass
-  static constexpr int U = cmax(1, cmin(4, 24 / (2 * MT + NTG)));  // k-steps in flight
   static constexpr int RP = RMAX + 8;                    // padded vh row: no bank conflicts
   static constexpr int RED_BYTES = WARPS * M * NTG * 8 * 4;  // per-warp partials of one pass
   static constexpr int VH_BYTES = M * RP * 2;
@@ -72,11 +71,11 @@ __device__ __forceinline__ int2 share(int n, int unit, int part, int SPLIT) {
 }
 
 // Shrink partial of this block's k-share: part[m][n] = sum_k x[m][k] * A[n][k].
-template <class T, int RMAX, int MT>
+template <class T, int RMAX, int MT, int U>
 __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& pc, int2 ks,
                                                float (*part)[RMAX], float* red) {
   using TL = Tile<T, RMAX, MT>;
-  constexpr int NTG = TL::NTG, U = TL::U, M = TL::M;
+  constexpr int NTG = TL::NTG, M = TL::M;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
   const int nsteps = (ks.y - ks.x + 31) / 32;
   const T* x = static_cast<const T*>(a.x) + (long long)pc.start * a.x_stride;
@@ -179,76 +178,135 @@ __device__ __forceinline__ void load_v(const SgmvArgs& a, const Piece& pc, T (*v
   }
 }
 
-// y[rows, cs] += scale * vh @ B[slot][:, cs] over this block's column share cs.
+// The loads of one 64-column expand step that need no v: the y tile (read-
+// modify-write) and B's first 16 rows. Issued one step ahead, so a warp's
+// steps overlap instead of paying a memory round trip each.
+template <int MT>
+struct StepLoads {
+  uint4 y[MT][2][2];  // [row tile][row g / g+8][columns 16q.. / 16q+8..]
+  uint4 b[4];         // B rows 2q, 2q+1, 2q+8, 2q+9 of the k16 step, columns 8g..
+};
+
+template <class T>
+__device__ __forceinline__ void load_b_k16(uint4 (&br)[4], const T* B, int h_out, int rank, int kk, int cb, int cend) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int k = kk * 16 + 2 * q + (i & 1) + (i >> 1) * 8, col = cb + 8 * g;
+    br[i] = ldg16(B + (long long)k * h_out + col, k < rank && col < cend);
+  }
+}
+
+template <class T, int MT>
+__device__ __forceinline__ void load_step(StepLoads<MT>& st, const SgmvArgs& a, const Piece& pc, int cb, int cend) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const T* y = static_cast<const T*>(a.y) + (long long)pc.start * a.y_stride;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
+        st.y[mt][h][hf] = ldg16(y + (long long)row * a.y_stride + col, row < pc.rows && col < cend);
+      }
+  load_b_k16(st.b, static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot, a.h_out, pc.rank, 0, cb, cend);
+}
+
+// acc += vh[:, 16kk..] @ B rows 16kk.. (columns permuted: see the top of the file).
 template <class T, int RMAX, int MT>
+__device__ __forceinline__ void mma_k16(float (&acc)[MT][8][4], const uint4 (&br)[4],
+                                        const T (*vh)[Tile<T, RMAX, MT>::RP], int kk) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const unsigned *r0 = &br[0].x, *r1 = &br[1].x, *r2 = &br[2].x, *r3 = &br[3].x;
+  unsigned b0[8], b1[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // pair up k = 2q, 2q+1 (and +8) of one column
+    b0[2 * i] = __byte_perm(r0[i], r1[i], 0x5410);
+    b0[2 * i + 1] = __byte_perm(r0[i], r1[i], 0x7632);
+    b1[2 * i] = __byte_perm(r2[i], r3[i], 0x5410);
+    b1[2 * i + 1] = __byte_perm(r2[i], r3[i], 0x7632);
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int r = mt * 16 + g, k = kk * 16 + 2 * q;
+    const unsigned a0 = *reinterpret_cast<const unsigned*>(&vh[r][k]);
+    const unsigned a1 = *reinterpret_cast<const unsigned*>(&vh[r + 8][k]);
+    const unsigned a2 = *reinterpret_cast<const unsigned*>(&vh[r][k + 8]);
+    const unsigned a3 = *reinterpret_cast<const unsigned*>(&vh[r + 8][k + 8]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) DType<T>::mma(acc[mt][j], a0, a1, a2, a3, b0[j], b1[j]);
+  }
+}
+
+// y = y + scale * acc, rounded once; each lane owns 16 consecutive columns of two rows.
+template <class T, int MT>
+__device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, const StepLoads<MT>& st,
+                                           const float (&acc)[MT][8][4], int cb, int cend) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  T* y = static_cast<T*>(a.y) + (long long)pc.start * a.y_stride;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
+        if (row >= pc.rows || col >= cend) continue;
+        const unsigned* old = &st.y[mt][h][hf].x;
+        uint4 out;
+        unsigned* o = &out.x;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = DType<T>::unpack(old[i]);
+          o[i] = DType<T>::pack(f.x + pc.scale * acc[mt][2 * i][2 * h + hf],
+                                f.y + pc.scale * acc[mt][2 * i + 1][2 * h + hf]);
+        }
+        *reinterpret_cast<uint4*>(y + (long long)row * a.y_stride + col) = out;
+      }
+}
+
+// y[rows, cs] += scale * vh @ B[slot][:, cs] over this block's column share cs;
+// PIPE: `cur` holds the loads of the warp's first step, issued before v was
+// ready, and step s + 1 is loaded before step s is computed.
+template <class T, int RMAX, int MT, bool PIPE>
 __device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, int2 cs,
-                                            const T (*vh)[Tile<T, RMAX, MT>::RP]) {
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+                                            const T (*vh)[Tile<T, RMAX, MT>::RP], StepLoads<MT> cur) {
+  const int w = threadIdx.x >> 5;
   const int ksteps = (pc.rank + 15) / 16, nsteps = (cs.y - cs.x + 63) / 64;
   const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
-  T* y = static_cast<T*>(a.y) + (long long)pc.start * a.y_stride;
+  if (!PIPE) load_step<T, MT>(cur, a, pc, cs.x + w * 64, cs.y);
   for (int s = w; s < nsteps; s += WARPS) {
     const int cb = cs.x + s * 64;
-    uint4 yv[MT][2][2];  // [row tile][row g / g+8][columns 16q.. / 16q+8..]
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
-          yv[mt][h][hf] = ldg16(y + (long long)row * a.y_stride + col, row < pc.rows && col < cs.y);
-        }
+    StepLoads<MT> next;
+    if (PIPE) load_step<T, MT>(next, a, pc, cb + WARPS * 64, cs.y);  // masked off past the share
     float acc[MT][8][4] = {};
+    mma_k16<T, RMAX, MT>(acc, cur.b, vh, 0);
 #pragma unroll
-    for (int kk = 0; kk < RMAX / 16; ++kk) {
+    for (int kk = 1; kk < RMAX / 16; ++kk) {
       if (kk >= ksteps) break;
-      uint4 br[4];  // B rows 2q, 2q+1, 2q+8, 2q+9 of this k16 step, columns cb + 8g ..
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int k = kk * 16 + 2 * q + (i & 1) + (i >> 1) * 8, col = cb + 8 * g;
-        br[i] = ldg16(B + (long long)k * a.h_out + col, k < pc.rank && col < cs.y);
-      }
-      const unsigned* r0 = &br[0].x; const unsigned* r1 = &br[1].x;
-      const unsigned* r2 = &br[2].x; const unsigned* r3 = &br[3].x;
-      unsigned b0[8], b1[8];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {  // pair up k = 2q, 2q+1 (and +8) of one column
-        b0[2 * i] = __byte_perm(r0[i], r1[i], 0x5410);
-        b0[2 * i + 1] = __byte_perm(r0[i], r1[i], 0x7632);
-        b1[2 * i] = __byte_perm(r2[i], r3[i], 0x5410);
-        b1[2 * i + 1] = __byte_perm(r2[i], r3[i], 0x7632);
-      }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int r = mt * 16 + g, k = kk * 16 + 2 * q;
-        const unsigned a0 = *reinterpret_cast<const unsigned*>(&vh[r][k]);
-        const unsigned a1 = *reinterpret_cast<const unsigned*>(&vh[r + 8][k]);
-        const unsigned a2 = *reinterpret_cast<const unsigned*>(&vh[r][k + 8]);
-        const unsigned a3 = *reinterpret_cast<const unsigned*>(&vh[r + 8][k + 8]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) DType<T>::mma(acc[mt][j], a0, a1, a2, a3, b0[j], b1[j]);
-      }
+      uint4 br[4];
+      load_b_k16(br, B, a.h_out, pc.rank, kk, cb, cs.y);
+      mma_k16<T, RMAX, MT>(acc, br, vh, kk);
     }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
-          if (row >= pc.rows || col >= cs.y) continue;
-          unsigned* old = &yv[mt][h][hf].x;
-          uint4 out;
-          unsigned* o = &out.x;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = DType<T>::unpack(old[i]);
-            o[i] = DType<T>::pack(f.x + pc.scale * acc[mt][2 * i][2 * h + hf],
-                                  f.y + pc.scale * acc[mt][2 * i + 1][2 * h + hf]);
-          }
-          *reinterpret_cast<uint4*>(y + (long long)row * a.y_stride + col) = out;
-        }
+    store_step<T, MT>(a, pc, cur, acc, cb, cs.y);
+    if (PIPE) cur = next;
+    else load_step<T, MT>(cur, a, pc, cb + WARPS * 64, cs.y);
+  }
+}
+
+// Only where few blocks share the chip (the host decides): L2 prefetch of
+// every row the block will touch, issued before the adapter's rank is known
+// (up to the pool's max rank), so DRAM latency overlaps the index loads.
+template <class T, int MODE>
+__device__ __forceinline__ void prefetch_piece(const SgmvArgs& a, const Piece& pc, int2 ks, int2 cs) {
+  if (MODE != EXPAND) {
+    prefetch_rows(static_cast<const T*>(a.A) + (long long)pc.slot * a.a_slot, a.h_in, a.max_rank, ks.x, ks.y);
+    prefetch_rows(static_cast<const T*>(a.x) + (long long)pc.start * a.x_stride, a.x_stride, pc.rows, ks.x, ks.y);
+  }
+  if (MODE != SHRINK) {
+    prefetch_rows(static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot, a.h_out, a.max_rank, cs.x, cs.y);
+    prefetch_rows(static_cast<const T*>(a.y) + (long long)pc.start * a.y_stride, a.y_stride, pc.rows, cs.x, cs.y);
   }
 }
 
@@ -261,45 +319,46 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   auto vh = reinterpret_cast<T(*)[TL::RP]>(scratch);
 
   const int crank = blockIdx.x % SPLIT;
-  Piece pc;
-  if (!find_piece(a.indptr, a.slot_ids, a.ranks, a.scales, a.nseg, a.tokens, a.max_rank, TL::M,
-                  blockIdx.x / SPLIT, pc))
-    return;  // the whole cluster agrees: same item, same answer
+  Piece pc;  // the whole cluster finds the same item, so it returns together
+  if (!find_piece(a.indptr, a.slot_ids, a.nseg, a.tokens, TL::M, blockIdx.x / SPLIT, pc)) return;
   const int2 ks = share(a.h_in, 32, crank, SPLIT), cs = share(a.h_out, 64, crank, SPLIT);
-  if (a.prefetch) {
-    if (MODE != EXPAND) {
-      prefetch_rows(static_cast<const T*>(a.A) + (long long)pc.slot * a.a_slot, a.h_in, pc.rank, ks.x, ks.y);
-      prefetch_rows(static_cast<const T*>(a.x) + (long long)pc.start * a.x_stride, a.x_stride, pc.rows, ks.x, ks.y);
-    }
-    if (MODE != SHRINK) {
-      prefetch_rows(static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot, a.h_out, pc.rank, cs.x, cs.y);
-      prefetch_rows(static_cast<const T*>(a.y) + (long long)pc.start * a.y_stride, a.y_stride, pc.rows, cs.x, cs.y);
-    }
-  }
+  if (a.prefetch) prefetch_piece<T, MODE>(a, pc, ks, cs);
+  if (!adapter_rank(a.ranks, a.scales, a.max_rank, pc)) return;
+  constexpr bool PIPE = MT == 1 && RMAX <= (SPLIT <= 4 ? 64 : 32);  // as registers allow
+  StepLoads<MT> first;  // with PIPE, the expand's first loads fly while v is summed
   if (MODE == EXPAND) {
+    if (PIPE) load_step<T, MT>(first, a, pc, cs.x + (threadIdx.x >> 5) * 64, cs.y);
     load_v<T, RMAX, MT, VT>(a, pc, vh);
   } else {
-    shrink_partial<T, RMAX, MT>(a, pc, ks, part, reinterpret_cast<float*>(scratch));
+    // k-steps in flight per warp: 16-byte loads per lane as the register cap allows
+    constexpr int LOADS = MT == 1 && SPLIT <= 4 ? 32 : 24;
+    constexpr int U = cmax(1, cmin(8, LOADS / (2 * MT + TL::NTG)));
+    shrink_partial<T, RMAX, MT, U>(a, pc, ks, part, reinterpret_cast<float*>(scratch));
+    if (MODE == FUSED && PIPE) load_step<T, MT>(first, a, pc, cs.x + (threadIdx.x >> 5) * 64, cs.y);
     if (CLUSTER) cluster_sync();  // every block's partial is visible to the cluster
     reduce_partials<T, RMAX, MT, SPLIT, VT>(a, pc, crank, part, vh, MODE == FUSED);
     if (CLUSTER) cluster_arrive();  // done reading the peers' partials
   }
   if (MODE != SHRINK) {
     __syncthreads();
-    expand_tile<T, RMAX, MT>(a, pc, cs, vh);
+    expand_tile<T, RMAX, MT, PIPE>(a, pc, cs, vh, first);
   }
   if (CLUSTER) cluster_wait();  // peers may still read our partials until here
 }
 
+// Blocks per SM the registers must allow: 4 for decode clusters of 8 or 16
+// (a second wave would double the step), 3 elsewhere (more loads in flight).
+#define MINB (MT == 2 ? 2 : SPLIT > 4 ? 4 : 3)
+
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT>
-__global__ void __launch_bounds__(THREADS, MT == 1 && SPLIT > 1 ? 4 : 3) sgmv_kernel(const SgmvArgs a) {
+__global__ void __launch_bounds__(THREADS, MINB) sgmv_kernel(const SgmvArgs a) {
   static_assert(MODE == EXPAND || SPLIT == 1, "split-K needs the cluster kernel");
   sgmv_body<T, RMAX, MT, SPLIT, MODE, VT>(a);
 }
 
 #if __CUDA_ARCH__ >= 900
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT>
-__global__ void __launch_bounds__(THREADS, MT == 1 && SPLIT > 1 ? 4 : 3) __cluster_dims__(SPLIT, 1, 1) sgmv_cluster_kernel(const SgmvArgs a) {
+__global__ void __launch_bounds__(THREADS, MINB) __cluster_dims__(SPLIT, 1, 1) sgmv_cluster_kernel(const SgmvArgs a) {
   sgmv_body<T, RMAX, MT, SPLIT, MODE, VT>(a);
 }
 #endif
