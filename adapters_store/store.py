@@ -48,7 +48,10 @@ class StoreConfig:
 
 def _done(result=None, error: BaseException | None = None) -> Future:
     fut: Future = Future()
-    fut.set_exception(error) if error is not None else fut.set_result(result)
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
     return fut
 
 

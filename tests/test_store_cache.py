@@ -3,6 +3,7 @@ result right), single flight (50 concurrent first requests → one download), di
 crash safety of the disk cache, pinned packing, and metrics."""
 import asyncio
 import gc
+import logging
 import os
 import subprocess
 import sys
@@ -15,8 +16,8 @@ import pytest
 
 from adapters_store.disk_cache import DiskCache, DiskCacheConfig, ObjectInfo, VerifyingSink
 from adapters_store.errors import AdapterFetchError
-from adapters_store.host_cache import HostCacheConfig, pack
-from adapters_store.metrics import StoreMetrics
+from adapters_store.host_cache import HostCache, HostCacheConfig, pack
+from adapters_store.metrics import Progress, StoreMetrics
 from adapters_store.peft_weights import load_local
 from adapters_store.store import AdapterStore, StoreConfig
 from tests.s3_fixtures import Fault, assert_same_weights, store_config, upload_dir, write_adapter
@@ -194,6 +195,13 @@ def test_metrics_export_through_ray_serve_metrics():
     assert StoreMetrics()._ray is None  # not inside Ray: no export, and Ray is not imported for it
 
 
+def test_long_downloads_log_progress(caplog):
+    progress = Progress("s3://bkt/a/adapter_model.safetensors", 4 << 20, every_s=0.0)
+    with caplog.at_level(logging.INFO, logger="loraplex.adapters"):
+        progress.update(1 << 20)
+    assert "1.0 / 4.2 MB (25%" in caplog.text
+
+
 def test_unregister_frees_host_memory(tmp_path, shape):
     st = AdapterStore(shape, StoreConfig(max_rank=16, disk=DiskCacheConfig(tmp_path / "cache")))
     st.register("a", write_adapter(tmp_path / "a", shape))
@@ -204,7 +212,16 @@ def test_unregister_frees_host_memory(tmp_path, shape):
 
 
 @pytest.mark.gpu
-def test_pinned_host_cache_on_cuda(tmp_path, shape):
+def test_host_cache_pins_on_cuda_for_async_copies(tmp_path, shape):
+    import torch
+
     w = load_local("a", write_adapter(tmp_path / "a", shape), 16, shape)
-    packed = pack(w, pin=True)
-    assert all(t.is_pinned() for pair in packed.tensors.values() for t in pair)
+    cache = HostCache(HostCacheConfig(budget_bytes=1 << 20))  # pin_memory=None: pinned where CUDA is
+    held = cache.put(w)
+    assert all(t.is_pinned() for pair in held.tensors.values() for t in pair)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        on_gpu = {k: (a.to("cuda", non_blocking=True), b.to("cuda", non_blocking=True)) for k, (a, b) in held.tensors.items()}
+    stream.synchronize()
+    for k, (a, b) in w.tensors.items():
+        assert torch.equal(on_gpu[k][0].cpu(), a) and torch.equal(on_gpu[k][1].cpu(), b)
