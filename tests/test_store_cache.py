@@ -221,7 +221,7 @@ def test_host_cache_pins_on_cuda_for_async_copies(tmp_path, shape):
     assert all(t.is_pinned() for pair in held.tensors.values() for t in pair)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        on_gpu = {k: (a.to("cuda", non_blocking=True), b.to("cuda", non_blocking=True)) for k, (a, b) in held.tensors.items()}
+        on_gpu = {k: tuple(t.to("cuda", non_blocking=True) for t in pair) for k, pair in held.tensors.items()}
     stream.synchronize()
     for k, (a, b) in w.tensors.items():
         assert torch.equal(on_gpu[k][0].cpu(), a) and torch.equal(on_gpu[k][1].cpu(), b)
