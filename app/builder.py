@@ -11,19 +11,21 @@ from typing import Callable
 
 from ray.serve import Application
 
-from app.config import Settings, parse_args
+from app.config import parse_args
 from app.ingress import Ingress
 from app.model.default import DEFAULT_MODEL_NAME
 from app.registry import AdapterRegistry, scan
 from app.replica import LoraReplica, ReplicaSettings, build_async_engine
 
 
-def build_app(args: dict | None = None, engine_factory: Callable = build_async_engine) -> Application:
+def build_app(args: dict) -> Application:
+    """Serve calls this with the YAML's `args` (it must take exactly one parameter)."""
+    return app_from_args(args)
+
+
+def app_from_args(args: dict | None, engine_factory: Callable = build_async_engine) -> Application:
     """engine_factory(ReplicaSettings) → AsyncEngine: the seam tests use to swap the engine."""
-    return build(parse_args(args, DEFAULT_MODEL_NAME), engine_factory)
-
-
-def build(settings: Settings, engine_factory: Callable = build_async_engine) -> Application:
+    settings = parse_args(args, DEFAULT_MODEL_NAME)
     if settings.model is None:
         _warm_default_model()
     adapters = tuple(scan(settings.adapter_dirs))

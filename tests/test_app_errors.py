@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from app.builder import build_app
+from app.builder import app_from_args, build_app
 from app.model.default import DEFAULT_MODEL_NAME as BASE
 from tests.app_fixtures import APP, config_args, example_adapter_names, failing_engine, replica_stats, serving, wait_for
 
@@ -20,7 +20,7 @@ COMPLETIONS, CHATS = "/v1/completions", "/v1/chat/completions"
 @pytest.fixture(scope="module")
 def server():
     apps = {APP: (build_app(config_args()), "/"),
-            "faulty": (build_app(config_args(), engine_factory=failing_engine), "/faulty")}
+            "faulty": (app_from_args(config_args(), engine_factory=failing_engine), "/faulty")}
     with serving(apps) as url:
         yield url
 

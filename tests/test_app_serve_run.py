@@ -1,0 +1,68 @@
+"""The README's run command, exactly as a user types it (`serve run serve_config.yaml`
+from the repository root), brings the endpoint up; a request succeeds; Ctrl-C stops it."""
+import os
+import signal
+import socket
+import subprocess
+
+import httpx
+import pytest
+import yaml
+from openai import OpenAI
+
+from app.model.default import DEFAULT_MODEL_NAME as BASE
+from tests.app_fixtures import CONFIG, REPO, example_adapter_names, wait_for
+
+COMMAND = "serve run serve_config.yaml"
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture
+def served(tmp_path):
+    """The command running in its own session (process group); yields (url, process, log path)."""
+    port = yaml.safe_load(CONFIG.read_text())["http_options"]["port"]
+    if _port_open(port):
+        pytest.fail(f"port {port} (serve_config.yaml http_options.port) is taken: cannot run `{COMMAND}`")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray, as on a clean machine
+    env["RAY_USAGE_STATS_ENABLED"] = "0"  # loopback only: no usage reports
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        # SIGINT as in a terminal (a shell's background job inherits it ignored): Ctrl-C must work
+        proc = subprocess.Popen(COMMAND.split(), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        yield f"http://127.0.0.1:{port}", proc, log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def test_readme_run_command_serves_and_stops(served):
+    url, proc, log = served
+    assert any(COMMAND in line for line in (REPO / "README.md").read_text().splitlines()[:12])  # the README's
+    up = wait_for(lambda: _healthy(url) or proc.poll() is not None or "failed with exception" in log.read_text(),
+                  timeout=420, interval=1)
+    assert up and _healthy(url), log.read_text()[-5000:]
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    models = [m.id for m in client.models.list().data]
+    assert models == [BASE, *example_adapter_names()]
+    for model in models:
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi!"}], max_tokens=4)
+        assert reply.choices[0].message.content and reply.usage.completion_tokens >= 1
+
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: serve run shuts Serve and its local Ray down
+    proc.wait(timeout=120)
+    assert wait_for(lambda: not _port_open(int(url.rsplit(":", 1)[1])), timeout=30), "the endpoint is still up"
