@@ -90,12 +90,6 @@ class Settings:
     replica_options: dict
     ingress_options: dict
 
-    @property
-    def context_limit(self) -> int | None:
-        """Most tokens (prompt + completion) one request may hold: the KV cache bounds it too."""
-        kv = self.engine.num_kv_blocks * self.engine.block_size
-        return min(kv, self.engine.max_model_len) if self.engine.max_model_len else kv
-
 
 def _describe(error: ValidationError) -> str:
     lines = []

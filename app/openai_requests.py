@@ -86,11 +86,13 @@ class _Sampling(_Body):
     def _requested_max(self) -> int | None:
         return self.max_tokens
 
-    def sampling(self, prompt_len: int, context_limit: int, default_max: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling(self, prompt_len: int, context_limit: int, default_max: int | None,
+                 logprobs: int | None) -> SamplingParams:
         """default_max None: up to the rest of the context (what chat clients expect)."""
         room = context_limit - prompt_len
         if room < 1:
-            raise ContextLengthError(f"the prompt ({prompt_len} tokens) leaves no room in the context ({context_limit} tokens)")
+            raise ContextLengthError(
+                f"the prompt ({prompt_len} tokens) leaves no room in the context ({context_limit} tokens)")
         max_tokens = self._requested_max() or default_max or room
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(

@@ -95,7 +95,8 @@ BAD_BODIES = {  # id: (path, raw body or JSON fields, status, code, param)
 @pytest.mark.parametrize("case", list(BAD_BODIES), ids=list(BAD_BODIES))
 def test_bad_requests_get_openai_errors(http, case):
     path, body, status, code, param = BAD_BODIES[case]
-    sent = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    raw = isinstance(body, bytes)
+    sent = {"content": body, "headers": {"content-type": "application/json"}} if raw else {"json": body}
     error = assert_openai_error(http.post(path, **sent), status, code)
     if param:
         assert error["param"] == param
