@@ -20,7 +20,8 @@ from adapters_store.host_cache import HostCache, HostCacheConfig, pack
 from adapters_store.metrics import Progress, StoreMetrics
 from adapters_store.peft_weights import load_local
 from adapters_store.store import AdapterStore, StoreConfig
-from tests.s3_fixtures import Fault, assert_same_weights, store_config, upload_dir, write_adapter
+from tests.fault_proxy import Fault
+from tests.store_helpers import assert_same_weights, store_config, upload_dir, write_adapter
 
 pytest_plugins = ["tests.s3_fixtures"]  # fixtures: s3, shape
 

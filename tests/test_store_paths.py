@@ -10,7 +10,7 @@ from adapters_store.disk_cache import DiskCache, DiskCacheConfig, ObjectInfo
 from adapters_store.paths import S3Uri, UnsafePathError, cache_file, check_name, parse_uri
 from adapters_store.store import AdapterStore
 from app.errors import InvalidRequestError
-from tests.s3_fixtures import store_config, upload_dir, write_adapter
+from tests.store_helpers import store_config, upload_dir, write_adapter
 
 pytest_plugins = ["tests.s3_fixtures"]  # fixtures: s3, shape
 
