@@ -9,6 +9,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import AsyncIterator
 
@@ -47,8 +48,10 @@ class AsyncEngine:
         """Chunks of one request until it finishes, errors or migrates. Validation errors
         raise here before the first chunk; leaving the iterator early aborts the request."""
         stream = _Stream(request, asyncio.get_running_loop())
+        # S3 / disk / parse happen here, on the store's threads, never on the engine thread
+        adapter = await self.core.adapters.aget(request.adapter) if request.adapter else None
         accepted: Future = Future()
-        self._post(("add", stream, accepted))
+        self._post(("add", stream, accepted, adapter))
         await asyncio.wrap_future(accepted)
         finished = False
         try:
@@ -96,6 +99,8 @@ class AsyncEngine:
             self.snapshot = self.core.stats()
             for chunk in chunks:
                 self._deliver(chunk)
+            if self.core.idle:
+                time.sleep(0.0005)  # waiting on adapter copies: poll, don't spin
 
     def _drain_inbox(self) -> None:
         while True:
@@ -104,16 +109,16 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if item[0] == "add":
-                self._add(item[1], item[2])
+                self._add(*item[1:])
             elif item[0] == "abort":
                 for chunk in self.core.abort(item[1]):
                     self._deliver(chunk)
             else:
                 self._call(*item[1:])
 
-    def _add(self, stream: _Stream, accepted: Future) -> None:
+    def _add(self, stream: _Stream, accepted: Future, adapter) -> None:
         try:
-            self.core.add(stream.request)
+            self.core.add(stream.request, adapter=adapter)
         except Exception as exc:
             accepted.set_exception(exc)
             return

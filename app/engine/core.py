@@ -29,12 +29,16 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.steps = 0
+        self.idle = False
         self.max_batch_seen = 0  # most requests in one forward pass
 
     # -- requests -------------------------------------------------------------
-    def add(self, request: GenerateRequest, front: bool = False) -> None:
-        """Validate and queue; raises (before any compute) on unknown adapter or bad input."""
-        adapter = self.adapters.get(request.adapter) if request.adapter else None
+    def add(self, request: GenerateRequest, front: bool = False, adapter=None) -> None:
+        """Validate and queue; raises (before any compute) on unknown adapter or bad input.
+        ``adapter``: the request's LoraWeights if the caller resolved them already (the
+        async engine does, off this thread); else they are fetched here, blocking."""
+        if request.adapter and adapter is None:
+            adapter = self.adapters.get(request.adapter)
         self._validate(request)
         seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
         seq = Sequence(request, seed, next(self._arrivals), adapter)
@@ -73,6 +77,7 @@ class EngineCore:
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[Chunk]:
         plan = self.scheduler.schedule()
+        self.idle = not plan.scheduled  # nothing runnable: only waiting for adapter copies or KV
         out: list[Chunk] = [self._migrate(seq) for seq in plan.preempted]
         if plan.scheduled:
             inputs, sampled = build_step(plan.scheduled, self.model.lora_pool, self.config.block_size, self.config.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from adapters_store.gpu_pool import LoraPool, PoolConfig
-from app.engine.adapters import LocalAdapters
+from adapters_store.store import AdapterStore, StoreConfig
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.model.config import ModelConfig
@@ -20,16 +20,20 @@ def load_tokenizer(path: Path):
 
 
 def build_engine(model_path: str | Path | None = None, config: EngineConfig = EngineConfig(),
-                 adapters: dict[str, str] | None = None, tokenizer="auto") -> EngineCore:
-    """An EngineCore for a local HF Llama-family checkpoint, with adapters registered by name."""
+                 adapters: dict[str, str] | None = None, tokenizer="auto", store: AdapterStore | None = None) -> EngineCore:
+    """An EngineCore for a local HF Llama-family checkpoint. ``adapters`` (name → local
+    directory or s3:// URI) are registered in ``store`` (default: a new AdapterStore) and
+    loaded once now, so a bad one fails at start-up."""
     from transformers import AutoConfig
 
     path = Path(model_path) if model_path else default_model_dir()
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
     weights = load_weights(path, cfg, config.dtype, config.device)
-    pool = LoraPool(cfg.shape, PoolConfig(config.max_loras, config.max_lora_rank, config.dtype, config.device))
-    registry = LocalAdapters(cfg.shape, config.max_lora_rank)
-    for name, adapter_path in (adapters or {}).items():
-        registry.register(name, adapter_path)
+    store = store or AdapterStore(cfg.shape, StoreConfig(max_rank=config.max_lora_rank))
+    pool_config = PoolConfig(config.max_loras, config.max_lora_rank, config.dtype, config.device)
+    pool = LoraPool(cfg.shape, pool_config, on_load=lambda nbytes, s: store.metrics.load("gpu", nbytes, s))
+    for name, uri in (adapters or {}).items():
+        store.register(name, uri)
+        store.get(name)
     tok = load_tokenizer(path) if tokenizer == "auto" else tokenizer
-    return EngineCore(LlamaModel(cfg, weights, pool), registry, tok, config)
+    return EngineCore(LlamaModel(cfg, weights, pool), store, tok, config)

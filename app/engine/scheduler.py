@@ -70,22 +70,31 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _admit(self, out: Schedule, budget: int) -> None:
-        """FCFS; a request whose adapter has no free slot waits without blocking others."""
+        """FCFS; a request whose adapter has no free slot, or is still being copied, waits
+        without blocking others."""
         skipped = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
             if blocks_for(seq.num_tokens + 1, self.config.block_size) > self.allocator.num_free:
                 self.waiting.appendleft(seq)
                 break
-            if seq.adapter is not None:
-                slot = self.pool.acquire(seq.adapter)
-                if slot is None:
-                    skipped.append(seq)
-                    continue
-                seq.lora_slot = slot
+            if not self._adapter_ready(seq):
+                skipped.append(seq)
+                continue
             n = min(seq.num_uncomputed, budget)
             seq.block_table = self.allocator.allocate(blocks_for(n, self.config.block_size))
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        """Pin a slot for the request's adapter (starting its copy) and say whether the copy is done."""
+        if seq.adapter is None:
+            return True
+        if seq.lora_slot < 0:
+            slot = self.pool.acquire(seq.adapter)
+            if slot is None:
+                return False
+            seq.lora_slot = slot
+        return self.pool.ready(seq.lora_slot)
