@@ -12,12 +12,15 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from ray import serve
+from transformers import AutoConfig
 
 from app import http_errors
 from app.admin import AdapterAdmin, RegisterAdapter
 from app.auth import Auth, Caller
 from app.config import Settings
-from app.errors import AdapterNotFoundError
+from app.engine.factory import load_tokenizer
+from app.errors import AdapterNotFoundError, InvalidRequestError
+from app.model.default import default_model_dir
 from app.openai_requests import ChatCompletionRequest, CompletionRequest
 from app.openai_responses import Formatter
 from app.protocol import GenerateRequest
@@ -32,11 +35,6 @@ _LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 def _load_model_files(model: str | None):
     """The tokenizer and the context length, from the same checkpoint the replicas load."""
-    from transformers import AutoConfig
-
-    from app.engine.factory import load_tokenizer
-    from app.model.default import default_model_dir
-
     path = model or default_model_dir()
     return load_tokenizer(path), AutoConfig.from_pretrained(str(path)).max_position_embeddings
 
@@ -51,7 +49,7 @@ class Ingress:
         kv_tokens = settings.engine.num_kv_blocks * settings.engine.block_size
         self.context_limit = min(settings.engine.max_model_len or model_len, kv_tokens)
         self.auth = Auth(settings.api_keys, settings.admin_key)
-        self.replica = replica
+        self.generate_on_replica = replica.options(stream=True).generate
         self.registry = registry
         self.admin = AdapterAdmin(settings.model_name, replica, registry)
         self.started = int(time.time())
@@ -69,6 +67,8 @@ class Ingress:
     async def chat_completions(self, request: Request):
         caller = self._caller(request)
         body = await http_errors.parse_body(request, ChatCompletionRequest)
+        if not self.tokenizer.chat_template:
+            raise InvalidRequestError("this model has no chat template: use /v1/completions")
         text = self.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return await self._generate(body, caller, ids, chat=True, logprobs=body.engine_logprobs)
@@ -79,7 +79,7 @@ class Ingress:
         params = body.sampling(len(ids), self.context_limit, default_max, logprobs)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request = GenerateRequest(request_id, tuple(ids), params, adapter.name if adapter else None)
-        generator = self.replica.options(stream=True).generate.remote(request, adapter, epoch)
+        generator = self.generate_on_replica.remote(request, adapter, epoch)
         stream = await ChunkStream.open(generator)  # validation errors raise here, before any bytes go out
         fmt = Formatter(request_id, body.model, self.tokenizer, chat, logprobs is not None)
         if body.stream:

@@ -3,7 +3,6 @@ serve_config.yaml args on a free loopback port, and read replica stats."""
 from __future__ import annotations
 
 import copy
-import itertools
 import os
 import socket
 import time
@@ -38,7 +37,7 @@ def example_adapter_names() -> list[str]:
 
 
 @contextmanager
-def serving(apps: dict[str, tuple[object, str]], num_cpus: int = 4):
+def serving(apps: dict[str, tuple[object, str]], num_cpus: int = 2):
     """Deploy {name: (application, route_prefix)} on a fresh local Ray; yields the base URL."""
     import ray
     from ray import serve
@@ -72,17 +71,20 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.2):
     return value
 
 
-def failing_engine(settings):
-    """A real engine whose forward pass fails from the 4th step on (tests the mid-stream path)."""
+FAIL_SEED = 4242  # a request with this seed makes the engine's step fail once it has 3 tokens
+
+
+def engine_failing_on_seed(settings):
+    """A real engine, plus a fault to inject: the step fails while a FAIL_SEED request runs."""
     from app.replica import build_async_engine
 
     engine = build_async_engine(settings)
-    step, steps = engine.core.step, itertools.count()
+    core, step = engine.core, engine.core.step
 
-    def flaky():
-        if next(steps) >= 3:
+    def step_or_fail():
+        if any(s.params.seed == FAIL_SEED and len(s.output_ids) >= 3 for s in core.scheduler.running):
             raise RuntimeError("injected engine failure")
         return step()
 
-    engine.core.step = flaky
+    core.step = step_or_fail
     return engine
