@@ -19,7 +19,6 @@ import tempfile
 from cuda.bindings import driver, nvrtc
 
 KERNEL_DIR = pathlib.Path(__file__).with_name("kernels")
-MAX_DYNAMIC_SMEM = 96 * 1024  # every kernel may take this much (fits sm_80's 163 KB with static)
 _NEEDED = ("cuda_fp16.h", "cuda_bf16.h")
 
 
@@ -152,11 +151,9 @@ def load_function(source: str, name_expr: str, device: int) -> driver.CUfunction
     try:
         module = _drv(driver.cuModuleLoadData(cubin), f"load {name_expr}")
         func = _drv(driver.cuModuleGetFunction(module, lowered.encode()), f"get {lowered}")
-        attr = driver.CUfunction_attribute
-        _drv(driver.cuFuncSetAttribute(func, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MAX_DYNAMIC_SMEM),
-             "dynamic shared memory")
         if major >= 9:  # clusters of 16 blocks need this opt-in; harmless for the rest
-            driver.cuFuncSetAttribute(func, attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            allow = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+            driver.cuFuncSetAttribute(func, allow, 1)
         return func
     finally:
         _drv(driver.cuCtxPopCurrent(), "pop context")

@@ -28,9 +28,6 @@ _FUSED_SPLITS, _BLOCKS_PER_SM = (16, 8, 4), 2
 # L2-prefetch every row a block touches while it still waits on the rank
 # (measured: wins while few blocks run, loses once DRAM is busy).
 _PREFETCH_ITEM_RANKS = 512
-# Expand: stage each block's B columns in shared memory (cp.async, in flight
-# during the shrink) when that fits with the whole grid resident at once.
-_STAGE_MAX_BYTES, _SMEM_PER_SM, _STATIC_SMEM = nvrtc.MAX_DYNAMIC_SMEM, 220 * 1024, 32 * 1024
 _RMAX = (16, 32, 64, 128)
 _BIG_TILE_TOKENS = 256  # fused, from here on 32-row items: adapters re-read from L2 half as often
 _CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
@@ -41,7 +38,7 @@ class _Args(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_void_p) for n in ("x", "y", "v", "A", "B", "indptr", "slot_ids", "ranks", "scales")]
     _fields_ += [(n, ctypes.c_longlong) for n in ("x_stride", "y_stride", "v_stride", "a_slot", "b_slot")]
-    _fields_ += [(n, ctypes.c_int) for n in ("nseg", "tokens", "h_in", "h_out", "max_rank", "prefetch", "b_pitch")]
+    _fields_ += [(n, ctypes.c_int) for n in ("nseg", "tokens", "h_in", "h_out", "max_rank", "prefetch")]
 
 
 def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch: int, split: int = _SPLIT):
@@ -62,16 +59,6 @@ def all_kernel_names(arch: int) -> list[str]:
     shapes = [(m, dt, r, t, split) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
               for t in (1, _BIG_TILE_TOKENS) for split in (_FUSED_SPLITS if m == FUSED else (_SPLIT,))]
     return sorted({kernel_name(m, dt, r, t, arch, split)[0] for m, dt, r, t, split in shapes})
-
-
-def _b_pitch(h_out, max_rank, split, blocks, device) -> int:
-    """Row pitch (elements) of the shared-memory B stage, 0 for reading B from global memory."""
-    steps = -(-h_out // 64)
-    pitch = -(-steps // split) * 64 + 8  # a block's columns (share() in sgmv.cu) + 16 B: no bank conflicts
-    size = -(-max_rank // 16) * 16 * pitch * 2
-    per_sm = -(-blocks // _sm_count(device))
-    fits = size <= _STAGE_MAX_BYTES and per_sm * (size + _STATIC_SMEM) <= _SMEM_PER_SM
-    return pitch if fits else 0
 
 
 def _fused_split(items: int, device: int) -> int:
@@ -122,7 +109,6 @@ def _run(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_i
     if prefetch is None:
         prefetch = items * max_rank <= _PREFETCH_ITEM_RANKS
     name, split, rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split)
-    b_pitch = 0 if B is None else _b_pitch(B.shape[2], max_rank, split, items * split, dev.index)
     args = _Args(
         x=_ptr(x), y=_ptr(y, y_offset), v=_ptr(v), A=_ptr(A), B=_ptr(B),
         indptr=_ptr(indptr), slot_ids=_ptr(slot_ids), ranks=_ptr(ranks), scales=_ptr(scales),
@@ -134,11 +120,10 @@ def _run(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_i
         nseg=nseg, tokens=tokens,
         h_in=0 if A is None else A.shape[2],
         h_out=0 if B is None else B.shape[2],
-        max_rank=max_rank, prefetch=int(prefetch), b_pitch=b_pitch,
+        max_rank=max_rank, prefetch=int(prefetch),
     )
     func = nvrtc.load_function("sgmv.cu", name, dev.index)
-    smem = -(-max_rank // 16) * 16 * b_pitch * pool.element_size()
-    _launch.launch(func, items * split, _THREADS, smem, args, dev)
+    _launch.launch(func, items * split, _THREADS, args, dev)
 
 
 def sgmv_shrink(v, x, A, indptr, slot_ids, ranks):

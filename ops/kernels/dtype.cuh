@@ -1,4 +1,4 @@
-// fp16 / bf16 traits (conversions, packing, the m16n8k16 tensor-core MMA) and memory helpers.
+// fp16 / bf16 traits: conversions, packing and the m16n8k16 tensor-core MMA.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -61,11 +61,3 @@ __device__ __forceinline__ uint4 ldg16(const void* p, bool ok) {
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
-
-// Asynchronous 16-byte global -> shared copies (sm_80+): in flight without registers.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }

@@ -35,7 +35,6 @@ struct SgmvArgs {
   long long x_stride, y_stride, v_stride;  // row strides, elements
   long long a_slot, b_slot;                // pool slot strides, elements
   int nseg, tokens, h_in, h_out, max_rank, prefetch;
-  int b_pitch;  // > 0: stage the block's B columns in dynamic shared memory, this row pitch
 };
 
 constexpr int WARPS = 4;
@@ -179,55 +178,27 @@ __device__ __forceinline__ void load_v(const SgmvArgs& a, const Piece& pc, T (*v
   }
 }
 
-// Where the expand reads B rows: the pool in global memory, or (SMEM) the
-// block's columns, staged in shared memory by cp.async while the shrink ran.
-template <class T>
-struct BRows {
-  const T* p;
-  long long stride;
-  int col0;  // column of p's first element
-};
-
-struct B16 {
-  uint4 r[4];  // B rows 2q, 2q+1, 2q+8, 2q+9 of one k16 step, columns 8g..
-};
-
-template <bool SMEM, class T>
-__device__ __forceinline__ B16 load_b_k16(const BRows<T>& b, int rank, int kk, int cb, int cend) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  B16 br;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int k = kk * 16 + 2 * q + (i & 1) + (i >> 1) * 8, col = cb + 8 * g;
-    const T* src = b.p + (long long)k * b.stride + (col - b.col0);
-    const bool ok = k < rank && col < cend;
-    br.r[i] = SMEM ? (ok ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0)) : ldg16(src, ok);
-  }
-  return br;
-}
-
-template <class T>
-__device__ __forceinline__ void stage_b(T* dst, int pitch, const T* B, int h_out, int rank, int2 cs) {
-  const int vecs = (cs.y - cs.x) / 8;
-  for (int idx = threadIdx.x; idx < rank * vecs; idx += THREADS) {
-    const int k = idx / vecs, c = idx % vecs * 8;
-    cp_async16(dst + k * pitch + c, B + (long long)k * h_out + cs.x + c);
-  }
-  cp_async_commit();
-}
-
 // The loads of one 64-column expand step that need no v: the y tile (read-
-// modify-write) and, unless staged, B's first 16 rows. Issued one step ahead,
-// so a warp's steps overlap instead of paying a memory round trip each.
+// modify-write) and B's first 16 rows. Issued one step ahead, so a warp's
+// steps overlap instead of paying a memory round trip each.
 template <int MT>
 struct StepLoads {
   uint4 y[MT][2][2];  // [row tile][row g / g+8][columns 16q.. / 16q+8..]
-  B16 b;
+  uint4 b[4];         // B rows 2q, 2q+1, 2q+8, 2q+9 of the k16 step, columns 8g..
 };
 
-template <bool SMEM, class T, int MT>
-__device__ __forceinline__ void load_step(StepLoads<MT>& st, const SgmvArgs& a, const Piece& pc,
-                                          const BRows<T>& b, int cb, int cend) {
+template <class T>
+__device__ __forceinline__ void load_b_k16(uint4 (&br)[4], const T* B, int h_out, int rank, int kk, int cb, int cend) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int k = kk * 16 + 2 * q + (i & 1) + (i >> 1) * 8, col = cb + 8 * g;
+    br[i] = ldg16(B + (long long)k * h_out + col, k < rank && col < cend);
+  }
+}
+
+template <class T, int MT>
+__device__ __forceinline__ void load_step(StepLoads<MT>& st, const SgmvArgs& a, const Piece& pc, int cb, int cend) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const T* y = static_cast<const T*>(a.y) + (long long)pc.start * a.y_stride;
 #pragma unroll
@@ -239,15 +210,15 @@ __device__ __forceinline__ void load_step(StepLoads<MT>& st, const SgmvArgs& a, 
         const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
         st.y[mt][h][hf] = ldg16(y + (long long)row * a.y_stride + col, row < pc.rows && col < cend);
       }
-  if (!SMEM) st.b = load_b_k16<false>(b, pc.rank, 0, cb, cend);
+  load_b_k16(st.b, static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot, a.h_out, pc.rank, 0, cb, cend);
 }
 
 // acc += vh[:, 16kk..] @ B rows 16kk.. (columns permuted: see the top of the file).
 template <class T, int RMAX, int MT>
-__device__ __forceinline__ void mma_k16(float (&acc)[MT][8][4], const B16& br,
+__device__ __forceinline__ void mma_k16(float (&acc)[MT][8][4], const uint4 (&br)[4],
                                         const T (*vh)[Tile<T, RMAX, MT>::RP], int kk) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const unsigned *r0 = &br.r[0].x, *r1 = &br.r[1].x, *r2 = &br.r[2].x, *r3 = &br.r[3].x;
+  const unsigned *r0 = &br[0].x, *r1 = &br[1].x, *r2 = &br[2].x, *r3 = &br[3].x;
   unsigned b0[8], b1[8];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {  // pair up k = 2q, 2q+1 (and +8) of one column
@@ -298,23 +269,29 @@ __device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, c
 // y[rows, cs] += scale * vh @ B[slot][:, cs] over this block's column share cs;
 // PIPE: `cur` holds the loads of the warp's first step, issued before v was
 // ready, and step s + 1 is loaded before step s is computed.
-template <class T, int RMAX, int MT, bool PIPE, bool SMEM>
-__device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, int2 cs, const BRows<T>& b,
+template <class T, int RMAX, int MT, bool PIPE>
+__device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, int2 cs,
                                             const T (*vh)[Tile<T, RMAX, MT>::RP], StepLoads<MT> cur) {
   const int w = threadIdx.x >> 5;
   const int ksteps = (pc.rank + 15) / 16, nsteps = (cs.y - cs.x + 63) / 64;
-  if (!PIPE) load_step<SMEM>(cur, a, pc, b, cs.x + w * 64, cs.y);
+  const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
+  if (!PIPE) load_step<T, MT>(cur, a, pc, cs.x + w * 64, cs.y);
   for (int s = w; s < nsteps; s += WARPS) {
     const int cb = cs.x + s * 64;
     StepLoads<MT> next;
-    if (PIPE) load_step<SMEM>(next, a, pc, b, cb + WARPS * 64, cs.y);  // masked off past the share
+    if (PIPE) load_step<T, MT>(next, a, pc, cb + WARPS * 64, cs.y);  // masked off past the share
     float acc[MT][8][4] = {};
-    mma_k16<T, RMAX, MT>(acc, SMEM ? load_b_k16<SMEM>(b, pc.rank, 0, cb, cs.y) : cur.b, vh, 0);
-#pragma unroll 1  // unrolled, the compiler hoists every step's loads and spills
-    for (int kk = 1; kk < ksteps; ++kk) mma_k16<T, RMAX, MT>(acc, load_b_k16<SMEM>(b, pc.rank, kk, cb, cs.y), vh, kk);
+    mma_k16<T, RMAX, MT>(acc, cur.b, vh, 0);
+#pragma unroll
+    for (int kk = 1; kk < RMAX / 16; ++kk) {
+      if (kk >= ksteps) break;
+      uint4 br[4];
+      load_b_k16(br, B, a.h_out, pc.rank, kk, cb, cs.y);
+      mma_k16<T, RMAX, MT>(acc, br, vh, kk);
+    }
     store_step<T, MT>(a, pc, cur, acc, cb, cs.y);
     if (PIPE) cur = next;
-    else load_step<SMEM>(cur, a, pc, b, cb + WARPS * 64, cs.y);
+    else load_step<T, MT>(cur, a, pc, cb + WARPS * 64, cs.y);
   }
 }
 
@@ -348,33 +325,23 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   if (a.prefetch) prefetch_piece<T, MODE>(a, pc, ks, cs);
   if (!adapter_rank(a.ranks, a.scales, a.max_rank, pc)) return;
   constexpr bool PIPE = MT == 1 && RMAX <= (SPLIT <= 4 ? 64 : 32);  // as registers allow
-  const T* Bslot = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
-  extern __shared__ __align__(16) unsigned char dyn_smem[];
-  T* bstage = reinterpret_cast<T*>(dyn_smem);
-  const bool staged = MODE != SHRINK && a.b_pitch > 0;
-  const BRows<T> b = staged ? BRows<T>{bstage, a.b_pitch, cs.x} : BRows<T>{Bslot, a.h_out, 0};
-  if (staged) stage_b(bstage, a.b_pitch, Bslot, a.h_out, pc.rank, cs);
   StepLoads<MT> first;  // with PIPE, the expand's first loads fly while v is summed
-  const int cfirst = cs.x + (threadIdx.x >> 5) * 64;
   if (MODE == EXPAND) {
-    if (PIPE) staged ? load_step<true>(first, a, pc, b, cfirst, cs.y) : load_step<false>(first, a, pc, b, cfirst, cs.y);
+    if (PIPE) load_step<T, MT>(first, a, pc, cs.x + (threadIdx.x >> 5) * 64, cs.y);
     load_v<T, RMAX, MT, VT>(a, pc, vh);
   } else {
     // k-steps in flight per warp: 16-byte loads per lane as the register cap allows
     constexpr int LOADS = MT == 1 && SPLIT <= 4 ? 32 : 24;
     constexpr int U = cmax(1, cmin(8, LOADS / (2 * MT + TL::NTG)));
     shrink_partial<T, RMAX, MT, U>(a, pc, ks, part, reinterpret_cast<float*>(scratch));
-    if (MODE == FUSED && PIPE)
-      staged ? load_step<true>(first, a, pc, b, cfirst, cs.y) : load_step<false>(first, a, pc, b, cfirst, cs.y);
+    if (MODE == FUSED && PIPE) load_step<T, MT>(first, a, pc, cs.x + (threadIdx.x >> 5) * 64, cs.y);
     if (CLUSTER) cluster_sync();  // every block's partial is visible to the cluster
     reduce_partials<T, RMAX, MT, SPLIT, VT>(a, pc, crank, part, vh, MODE == FUSED);
     if (CLUSTER) cluster_arrive();  // done reading the peers' partials
   }
   if (MODE != SHRINK) {
-    if (staged) cp_async_wait_all();
     __syncthreads();
-    if (staged) expand_tile<T, RMAX, MT, PIPE, true>(a, pc, cs, b, vh, first);
-    else expand_tile<T, RMAX, MT, PIPE, false>(a, pc, cs, b, vh, first);
+    expand_tile<T, RMAX, MT, PIPE>(a, pc, cs, vh, first);
   }
   if (CLUSTER) cluster_wait();  // peers may still read our partials until here
 }
