@@ -212,6 +212,7 @@ def plot(result, png):
                 if all(key in r for r in rows):
                     ax.plot([r["batch"] for r in rows], [r[key] for r in rows], marker="o", label=label,
                             linestyle="--" if key == "floor_us" else "-")
+            ax.axhline(result["meta"]["null_graph_us"], color="grey", linestyle=":", label="graph of one empty kernel")
             ax.set(xscale="log", yscale="log", title=f"r={rank} {workload}", xticks=BATCHES)
             ax.set_xticklabels(BATCHES)
             ax.grid(True, which="both", alpha=0.3)
