@@ -160,9 +160,10 @@ def sgmv_expand(y, v, B, indptr, slot_ids, ranks, scales, y_offset=0):
 def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None):
     """y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T @ B[slot_i, :r_i].
 
-    The whole LoRA add-on in one launch: a cluster of 8 blocks per work item
-    splits h_in for the shrink, sums the partial v in distributed shared
-    memory, then splits h_out for the expand (sm_90; one block per item before).
+    The whole LoRA add-on in one launch: a cluster of 16, 8 or 4 blocks per
+    work item (the widest that keeps the grid within two blocks per SM) splits
+    h_in for the shrink, sums the partial v in distributed shared memory, then
+    splits h_out for the expand (sm_90; before it, one block per item).
     y: [tokens, >= y_offset + h_out] fp16/bf16 updated in place (row stride
     y.stride(0)); x: [tokens, h_in]; A: [slots, max_rank, h_in];
     B: [slots, max_rank, h_out]. v never leaves the chip, so no scratch is
