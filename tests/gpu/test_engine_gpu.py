@@ -34,7 +34,8 @@ def gpu_model(tmp_path_factory):
     return path, adapters
 
 
-def _hf_greedy(path, adapter_dir, prompt, dtype):
+def _hf_logits(path, adapter_dir, tokens, dtype):
+    """HF (+ PEFT) logits [len(tokens), vocab] in fp32, teacher-forced along ``tokens``."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -42,25 +43,43 @@ def _hf_greedy(path, adapter_dir, prompt, dtype):
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir).to(dtype)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        return model(torch.tensor([tokens], device="cuda")).logits[0].float()
+
+
+def _first_disagreement(prompt, out, logits, tol):
+    """Index of the first generated token that is not HF's greedy choice, and whether
+    HF itself was at a near-tie there (its top logit within ``tol`` of our token's)."""
+    for t, token in enumerate(out):
+        row = logits[len(prompt) - 1 + t]
+        top = int(row.argmax())
+        if top != token:
+            return t, float(row[top] - row[token]) <= tol
+    return None, True
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_engine_on_gpu_matches_peft(gpu_model, dtype):
+    """Every generated token is HF+PEFT's greedy choice given the same prefix, except at a
+    near-tie of HF's own logits (fp16/bf16 rounding may then pick either; the two runs
+    legitimately diverge after it), and most requests match exactly end to end."""
     path, adapters = gpu_model
     rng = random.Random(0)
     cfg = EngineConfig(max_lora_rank=64, max_loras=4, num_kv_blocks=256, dtype=dtype, device="cuda")
     engine = build_engine(path, cfg, {k: str(v) for k, v in adapters.items()}, tokenizer=None)
     jobs = [(f"g{i}", a, [rng.randrange(512) for _ in range(rng.randint(4, 60))])
-            for i, a in enumerate([None, *adapters, *adapters, None])]
-    requests = {i % 3: [] for i in range(3)}
+            for i, a in enumerate([None, *adapters, *adapters, None, "qv8", "all16"])]
+    requests = {}
     for i, (rid, a, p) in enumerate(jobs):
-        requests[i % 3].append(GenerateRequest(rid, tuple(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), a))
+        req = GenerateRequest(rid, tuple(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), a)
+        requests.setdefault(i % 3, []).append(req)
     tokens, _, _ = run_to_completion(engine, requests)
-    mismatches = []
+    tol = 0.02 if dtype == torch.float16 else 0.1
+    exact, report = 0, []
     for rid, a, p in jobs:
-        ref = _hf_greedy(path, adapters[a] if a else None, p, dtype)
-        if tokens[rid] != ref:
-            mismatches.append((rid, a, tokens[rid], ref))
-    assert not mismatches, mismatches
+        logits = _hf_logits(path, adapters[a] if a else None, p + tokens[rid], dtype)
+        t, near_tie = _first_disagreement(p, tokens[rid], logits, tol)
+        exact += t is None
+        report.append((rid, a, t, near_tie))
+        assert near_tie, f"{rid} ({a}) token {t}: not HF's choice and no near-tie: {report}"
+    print(report)
+    assert exact >= len(jobs) * 3 // 4, report
