@@ -126,14 +126,40 @@ class LoraPool:
         self._pending[slot] = (done, start, weights.nbytes, staging)
 
     def _fill(self, slot: int, tensors: dict, r: int, scale: float) -> None:
+        by_module: dict[str, dict[int, tuple]] = {}
+        for (layer, m), pair in tensors.items():
+            by_module.setdefault(m, {})[layer] = pair
         for m in self.A:
             self.A[m][:, slot].zero_()
             self.B[m][:, slot].zero_()
-        for (layer, m), (a, b) in tensors.items():
-            self.A[m][layer, slot, :r].copy_(a)  # a: [r, in]
-            self.B[m][layer, slot, :r].copy_(b.T)  # b: [out, r] -> [r, out]
+        for m, layers in by_module.items():
+            stacked = _stacked(layers, self.A[m].shape[0])
+            if stacked is not None:  # one strided copy per matrix for all layers
+                self.A[m][:, slot, :r].copy_(stacked[0])  # [L, r, in]
+                self.B[m][:, slot, :r].copy_(stacked[1].transpose(1, 2))  # [L, out, r] -> [L, r, out]
+                continue
+            for layer, (a, b) in layers.items():
+                self.A[m][layer, slot, :r].copy_(a)  # a: [r, in]
+                self.B[m][layer, slot, :r].copy_(b.T)  # b: [out, r] -> [r, out]
         self.ranks[slot].fill_(r)
         self.scales[slot].fill_(scale)
+
+
+def _stacked(layers: dict[int, tuple], num_layers: int):
+    """Every layer's A (and B) as one [L, ...] view when they lie evenly spaced in one buffer."""
+    if len(layers) != num_layers:
+        return None
+    views = []
+    for k in (0, 1):
+        ts = [layers[i][k] for i in range(num_layers)]
+        base = ts[0]
+        step = ts[1].storage_offset() - base.storage_offset() if num_layers > 1 else 0
+        if not all(t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+                   and t.storage_offset() == base.storage_offset() + i * step and t.is_contiguous()
+                   for i, t in enumerate(ts)):
+            return None
+        views.append(base.as_strided((num_layers, *base.shape), (step, *base.stride()), base.storage_offset()))
+    return views
 
 
 def _to_device(weights: LoraWeights, device) -> tuple[torch.Tensor | None, dict]:

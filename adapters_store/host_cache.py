@@ -29,7 +29,9 @@ class HostCacheConfig:
 
 def pack(weights: LoraWeights, pin: bool) -> LoraWeights:
     """The same adapter with every tensor a view into one contiguous (pinned) fp32 buffer."""
-    items = list(weights.tensors.items())
+    # module-major, layer-minor: each module's layers sit evenly spaced in the buffer, so the
+    # GPU pool moves a whole module with one strided copy (see gpu_pool._stacked)
+    items = sorted(weights.tensors.items(), key=lambda kv: (kv[0][1], kv[0][0]))
     total = sum(a.numel() + b.numel() for _, (a, b) in items)
     flat = torch.empty(total, dtype=torch.float32, pin_memory=pin)
     offset, tensors = 0, {}
