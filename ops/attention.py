@@ -16,7 +16,7 @@ import torch.nn.functional as F
 class AttentionGroup:
     q_index: torch.Tensor  # [seqs, max_q] token row per query slot; padding → tokens (a zero row)
     kv_index: torch.Tensor  # [seqs, max_ctx] flat KV cache slot per key; padding → 0
-    mask: torch.Tensor  # [seqs, 1, max_q, max_ctx] bool, True = attend
+    mask: torch.Tensor  # [seqs, 1, max_q, max_ctx] additive: 0 = attend, -inf = masked
     out_rows: torch.Tensor  # [n] token rows this group produces
     out_index: torch.Tensor  # [n] flat index into [seqs * max_q] for those rows
 
@@ -41,11 +41,17 @@ def paged_attention(out, q, k_cache, v_cache, groups, scale):
     q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row `tokens` = padding
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    heads, kv_heads, d = q.shape[1], k_cache.shape[2], q.shape[2]
+    group = heads // kv_heads
     for g in groups:
-        qg = q_pad[g.q_index].transpose(1, 2)  # [seqs, heads, max_q, d]
+        seqs, max_q = g.q_index.shape
+        # Heads sharing a KV head become extra query rows of that KV head (no K/V repeat);
+        # an additive mask keeps SDPA on its fast CPU path (a bool mask with GQA is far slower).
+        qg = q_pad[g.q_index].permute(0, 2, 1, 3).reshape(seqs, kv_heads, group * max_q, d)
         kg = k_flat[g.kv_index].transpose(1, 2)  # [seqs, kv_heads, max_ctx, d]
         vg = v_flat[g.kv_index].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
-        o = o.transpose(1, 2).reshape(-1, *q.shape[1:])  # [seqs * max_q, heads, d]
+        mask = g.mask.to(q.dtype).repeat(1, 1, group, 1)  # rows ordered (head in group, query)
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+        o = o.view(seqs, heads, max_q, d).transpose(1, 2).reshape(-1, heads, d)  # [seqs * max_q, heads, d]
         out[g.out_rows] = o[g.out_index]
     return out

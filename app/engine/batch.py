@@ -24,7 +24,8 @@ def _attention_group(rows: list[tuple[Sequence, int, int]], block_size: int, num
         kv_index[i, : len(ctx)] = torch.tensor(seq.block_table)[ctx // block_size] * block_size + ctx % block_size
         out_rows += range(row, row + n)
         out_index += range(i * max_q, i * max_q + n)
-    mask = torch.arange(max_ctx)[None, None, :] <= q_pos[:, :, None]  # causal within each sequence
+    visible = torch.arange(max_ctx)[None, None, :] <= q_pos[:, :, None]  # causal within each sequence
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
     return AttentionGroup(q_index, kv_index, mask[:, None], torch.tensor(out_rows), torch.tensor(out_index))
 
 
