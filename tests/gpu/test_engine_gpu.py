@@ -46,14 +46,17 @@ def _hf_logits(path, adapter_dir, tokens, dtype):
         return model(torch.tensor([tokens], device="cuda")).logits[0].float()
 
 
-def _first_disagreement(prompt, out, logits, tol):
-    """Index of the first generated token that is not HF's greedy choice, and whether
-    HF itself was at a near-tie there (its top logit within ``tol`` of our token's)."""
+def _first_disagreement(prompt, out, logits, logits32):
+    """(index of the first generated token that is not HF's greedy choice, whether that is
+    within HF's own rounding: our token is fp32 HF's choice, or its fp16/bf16 logit margin is
+    no larger than twice the fp16/bf16-vs-fp32 error of HF's logits at that position)."""
     for t, token in enumerate(out):
-        row = logits[len(prompt) - 1 + t]
+        pos = len(prompt) - 1 + t
+        row, row32 = logits[pos], logits32[pos]
         top = int(row.argmax())
         if top != token:
-            return t, float(row[top] - row[token]) <= tol
+            noise = float((row - row32).abs().max())
+            return t, int(row32.argmax()) == token or float(row[top] - row[token]) <= 2 * noise
     return None, True
 
 
@@ -73,13 +76,14 @@ def test_engine_on_gpu_matches_peft(gpu_model, dtype):
         req = GenerateRequest(rid, tuple(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), a)
         requests.setdefault(i % 3, []).append(req)
     tokens, _, _ = run_to_completion(engine, requests)
-    tol = 0.02 if dtype == torch.float16 else 0.1
     exact, report = 0, []
     for rid, a, p in jobs:
-        logits = _hf_logits(path, adapters[a] if a else None, p + tokens[rid], dtype)
-        t, near_tie = _first_disagreement(p, tokens[rid], logits, tol)
+        adapter = adapters[a] if a else None
+        seq = p + tokens[rid]
+        t, within = _first_disagreement(p, tokens[rid], _hf_logits(path, adapter, seq, dtype),
+                                        _hf_logits(path, adapter, seq, torch.float32))
         exact += t is None
-        report.append((rid, a, t, near_tie))
-        assert near_tie, f"{rid} ({a}) token {t}: not HF's choice and no near-tie: {report}"
-    print(report)
+        report.append((rid, a, t, within))
+    print(dtype, report)
+    assert all(within for *_, within in report), report
     assert exact >= len(jobs) * 3 // 4, report
