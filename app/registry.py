@@ -3,35 +3,25 @@
 Registration must reach every LoraReplica, including replicas started later by
 autoscaling. Rather than broadcast, the registry is the single source of truth:
 the ingress resolves each request's adapter here and sends its AdapterSpec
-(name, path, version) along, so any replica can load it on demand; each change
+(name, path, serial) along, so any replica can register it on demand (the
+engine's AdapterStore then loads it and tracks its content version); each change
 bumps an epoch, and a replica that sees a newer epoch re-reads the list and
 drops the adapters that were unregistered. Runtime registrations live in this
 actor's memory (a restarted registry starts again from `adapter_dirs`).
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from ray import serve
 
-_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
 
 @dataclass(frozen=True)
 class AdapterSpec:
     name: str
-    path: str
-    version: str  # sha256 of the adapter's files: a changed adapter is a new version
-
-
-def adapter_version(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    for name in _FILES:
-        file = Path(path) / name
-        digest.update(file.read_bytes() if file.is_file() else b"")
-    return digest.hexdigest()[:16]
+    path: str  # a local PEFT directory (or an s3:// URI the AdapterStore reads)
+    serial: int  # the registry epoch of its registration: registering a name again is a new spec
 
 
 def scan(dirs) -> list[AdapterSpec]:
@@ -41,7 +31,7 @@ def scan(dirs) -> list[AdapterSpec]:
     found: dict[str, str] = {}
     for d in dirs:
         found.update(local_adapters(Path(d)))
-    return [AdapterSpec(name, path, adapter_version(path)) for name, path in sorted(found.items())]
+    return [AdapterSpec(name, path, 0) for name, path in sorted(found.items())]
 
 
 @serve.deployment(name="AdapterRegistry", num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -56,10 +46,10 @@ class AdapterRegistry:
     def list(self) -> tuple[list[AdapterSpec], int]:
         return sorted(self._specs.values(), key=lambda s: s.name), self._epoch
 
-    def put(self, spec: AdapterSpec) -> int:
-        self._specs[spec.name] = spec
+    def put(self, name: str, path: str) -> AdapterSpec:
         self._epoch += 1
-        return self._epoch
+        self._specs[name] = AdapterSpec(name, path, self._epoch)
+        return self._specs[name]
 
     def remove(self, name: str) -> bool:
         if self._specs.pop(name, None) is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -17,9 +18,9 @@ from ray import serve
 
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
-from app.errors import LoraplexError
+from app.errors import AdapterNotFoundError, LoraplexError
 from app.protocol import Chunk, GenerateRequest
-from app.registry import AdapterSpec, adapter_version
+from app.registry import AdapterSpec
 
 log = logging.getLogger("ray.serve")
 
@@ -38,14 +39,6 @@ def build_async_engine(settings: ReplicaSettings) -> AsyncEngine:
     return AsyncEngine(core)
 
 
-def _register(core, spec: AdapterSpec) -> None:
-    core.adapters.register(spec.name, spec.path)
-
-
-def _unregister(core, name: str) -> None:
-    core.adapters.unregister(name)
-
-
 def _stats(core) -> dict:
     return {**core.stats(), "adapters": core.adapters.names()}
 
@@ -57,7 +50,8 @@ class LoraReplica:
         self.started_at = time.time()
         self.engine = engine_factory(settings)
         self.registry = registry
-        self.versions = {s.name: s.version for s in settings.adapters}  # what this engine has loaded
+        self.store = self.engine.core.adapters  # the engine's AdapterStore (thread-safe: used from here)
+        self.specs = {s.name: s for s in settings.adapters}  # what this replica registered, by name
         self.epoch = 0  # the registry epoch this replica last synced with
         self.draining = False  # set by scale-down (cluster/) once this replica must empty
 
@@ -67,17 +61,23 @@ class LoraReplica:
         try:
             await self._sync(epoch)
             if adapter is not None:
-                await self._ensure(adapter)
+                self._ensure(adapter)
             async for chunk in self.engine.generate(request):
                 yield chunk
         except LoraplexError as exc:  # bad input, not a replica failure: yielded, so Serve logs no traceback
             yield exc
 
-    async def load_adapter(self, name: str, path: str) -> AdapterSpec:
-        """Load (and so validate) an adapter now; raises InvalidAdapterError for a bad one."""
-        spec = AdapterSpec(name, path, await asyncio.to_thread(adapter_version, path))
-        await self._ensure(spec)
-        return spec
+    async def load_adapter(self, name: str, uri: str) -> str:
+        """Load (and so validate) an adapter before the registry lists it: its content
+        version, or InvalidAdapterError / AdapterNotFoundError."""
+        self.specs.pop(name, None)  # no longer what the registry says: the next request re-registers
+        self.store.register(name, uri)
+        try:
+            await self.store.aget(name)
+        except LoraplexError:
+            self.store.unregister(name)
+            raise
+        return self.store.version(name)
 
     async def stats(self) -> dict:
         """The engine's counters and loaded adapters, read on its own thread (exact, not a stale snapshot)."""
@@ -92,19 +92,22 @@ class LoraReplica:
             "resident_adapters": s["resident_adapters"], "draining": self.draining, "started_at": self.started_at,
         }
 
-    async def _ensure(self, spec: AdapterSpec) -> None:
-        if self.versions.get(spec.name) != spec.version:
-            await asyncio.wrap_future(self.engine.call(_register, spec))
-            self.versions[spec.name] = spec.version
+    def _ensure(self, spec: AdapterSpec) -> None:
+        """Register what the registry says under this name (a new serial = re-registered); the
+        engine loads it (off its thread, through the store's caches) when the request arrives."""
+        if self.specs.get(spec.name) != spec:
+            self.store.register(spec.name, spec.path)
+            self.specs[spec.name] = spec
 
     async def _sync(self, epoch: int) -> None:
         """Drop adapters unregistered since the last sync (cheap: only when the epoch moved)."""
         if epoch <= self.epoch:
             return
         specs, latest = await self.registry.list.remote()
-        for name in set(self.versions) - {s.name for s in specs}:
-            del self.versions[name]  # before awaiting: a concurrent sync must not drop it twice
-            await asyncio.wrap_future(self.engine.call(_unregister, name))
+        for name in set(self.specs) - {s.name for s in specs}:
+            del self.specs[name]
+            with suppress(AdapterNotFoundError):
+                self.store.unregister(name)
         self.epoch = max(self.epoch, latest)
 
     def __del__(self):

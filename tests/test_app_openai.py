@@ -89,8 +89,8 @@ def test_concurrent_requests_for_different_adapters_share_one_batch(client):
     texts = {}
 
     def stream(model):
-        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
-                                        extra_body={"min_tokens": 40})  # no early stop: all stay running
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                        extra_body={"min_tokens": 24})  # no early stop: all stay running
         first = next(out)
         started.wait()
         texts[model] = first.choices[0].text + "".join(c.choices[0].text for c in out)
