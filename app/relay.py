@@ -24,7 +24,6 @@ class ChunkStream:
     def __init__(self, generator, first):
         self.generator = generator
         self.first = first
-        self.done = False
 
     @classmethod
     async def open(cls, generator) -> "ChunkStream":
@@ -38,13 +37,14 @@ class ChunkStream:
         return cls(generator, first)
 
     async def chunks(self) -> AsyncIterator:
+        done = False
         try:
             yield self.first
             async for chunk in self.generator:
                 yield chunk
-            self.done = True
+            done = True
         finally:
-            if not self.done:
+            if not done:
                 self.generator.cancel()
 
 
