@@ -1,6 +1,7 @@
 """The README's run command, exactly as a user types it (`serve run serve_config.yaml`
 from the repository root), brings the endpoint up; a request succeeds; Ctrl-C stops it."""
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +32,7 @@ def _healthy(url: str) -> bool:
 @pytest.fixture
 def served(tmp_path):
     """The command running in its own session (process group); yields (url, process, log path)."""
+    assert shutil.which("serve"), "Ray's `serve` command is not on PATH (scripts/setup.sh installs it)"
     port = yaml.safe_load(CONFIG.read_text())["http_options"]["port"]
     if _port_open(port):
         pytest.fail(f"port {port} (serve_config.yaml http_options.port) is taken: cannot run `{COMMAND}`")
