@@ -199,6 +199,10 @@ class AdapterStore:
         return snap
 
     def _load(self, name: str, gen: int, location: S3Uri | Path) -> LoraWeights:
+        with self._lock:  # a flight that ended between prefetch's check and this one's start
+            failure = self._failure(name, gen)
+        if failure is not None:
+            raise type(failure)(*failure.args)
         try:
             source = self._source(location)
             snap = self._snapshot(name, gen, source)
