@@ -25,15 +25,18 @@ AdapterKey = tuple[str, str]  # (name, version)
 class HostCacheConfig:
     budget_bytes: int = 8 << 30
     pin_memory: bool | None = None  # None: pin when CUDA is available
+    # the serving dtype: staged once here, so host memory and every host→GPU copy carry
+    # half the bytes of fp32 (rounding here or on the GPU gives the same values)
+    dtype: torch.dtype = torch.float32
 
 
-def pack(weights: LoraWeights, pin: bool) -> LoraWeights:
-    """The same adapter with every tensor a view into one contiguous (pinned) fp32 buffer."""
+def pack(weights: LoraWeights, pin: bool, dtype: torch.dtype = torch.float32) -> LoraWeights:
+    """The same adapter with every tensor a view into one contiguous (pinned) ``dtype`` buffer."""
     # module-major, layer-minor: each module's layers sit evenly spaced in the buffer, so the
     # GPU pool moves a whole module with one strided copy (see gpu_pool._stacked)
     items = sorted(weights.tensors.items(), key=lambda kv: (kv[0][1], kv[0][0]))
     total = sum(a.numel() + b.numel() for _, (a, b) in items)
-    flat = torch.empty(total, dtype=torch.float32, pin_memory=pin)
+    flat = torch.empty(total, dtype=dtype, pin_memory=pin)
     offset, tensors = 0, {}
 
     def take(t: torch.Tensor) -> torch.Tensor:
@@ -74,11 +77,11 @@ class HostCache:
     def put(self, weights: LoraWeights) -> LoraWeights:
         """Cache weights (packed/pinned if configured) and return what callers should use."""
         key = (weights.name, weights.version)
+        if self.pin or self.config.dtype != torch.float32:
+            weights = pack(weights, pin=self.pin, dtype=self.config.dtype)
         if weights.nbytes > self.config.budget_bytes:
             log.warning("adapter %s (%d bytes) exceeds the host cache budget: served uncached", key, weights.nbytes)
             return weights
-        if self.pin:
-            weights = pack(weights, pin=True)
         evicted = []
         with self._lock:
             if key in self._entries:  # a racing load of the same version: keep the first

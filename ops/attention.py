@@ -6,10 +6,17 @@ query / context length, gathers their KV blocks through the block tables and
 runs one masked SDPA call — prefill and decode are kept apart so a long prompt
 does not pad every decode row.
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# On CUDA, SDPA would pick cuDNN for a float mask, and cuDNN builds a new graph for
+# every new context length (measured on the H200: 1.3 ms of host time per decode call,
+# 11 ms per prefill call); the memory-efficient kernel takes any additive mask as is.
+_CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,8 @@ def paged_attention(out, q, k_cache, v_cache, groups, scale):
         kg = k_flat[g.kv_index].transpose(1, 2)  # [seqs, kv_heads, max_ctx, d]
         vg = v_flat[g.kv_index].transpose(1, 2)
         mask = g.mask.to(q.dtype).repeat(1, 1, group, 1)  # rows ordered (head in group, query)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+        with sdpa_kernel(_CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
         o = o.view(seqs, heads, max_q, d).transpose(1, 2).reshape(-1, heads, d)  # [seqs * max_q, heads, d]
         out[g.out_rows] = o[g.out_index]
     return out

@@ -37,12 +37,14 @@ def example_adapter_names() -> list[str]:
 
 
 @contextmanager
-def serving(apps: dict[str, tuple[object, str]], num_cpus: int = 2):
-    """Deploy {name: (application, route_prefix)} on a fresh local Ray; yields the base URL."""
+def serving(apps: dict[str, tuple[object, str]], num_cpus: int = 2, env: dict[str, str] | None = None):
+    """Deploy {name: (application, route_prefix)} on a fresh local Ray (its workers get
+    ``env`` on top of this process's environment); yields the base URL."""
     import ray
     from ray import serve
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env} if env else None)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

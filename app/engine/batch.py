@@ -12,7 +12,8 @@ from ops.attention import AttentionGroup
 def _attention_group(rows: list[tuple[Sequence, int, int]], block_size: int, num_tokens: int) -> AttentionGroup:
     """rows: (sequence, first token row, tokens this step), all of one kind (prefill or decode)."""
     max_q = max(n for _, _, n in rows)
-    max_ctx = max(s.num_computed + n for s, _, n in rows)
+    # keys padded to 16: the CUDA memory-efficient kernel wants the mask's rows 16-aligned
+    max_ctx = -(-max(s.num_computed + n for s, _, n in rows) // 16) * 16
     q_index = torch.full((len(rows), max_q), num_tokens, dtype=torch.long)
     q_pos = torch.zeros(len(rows), max_q, dtype=torch.long)  # padding queries see key 0 only
     kv_index = torch.zeros(len(rows), max_ctx, dtype=torch.long)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from adapters_store.gpu_pool import LoraPool, PoolConfig
+from adapters_store.host_cache import HostCacheConfig
 from adapters_store.store import AdapterStore, StoreConfig
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
@@ -29,7 +30,7 @@ def build_engine(model_path: str | Path | None = None, config: EngineConfig = En
     path = Path(model_path) if model_path else default_model_dir()
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
     weights = load_weights(path, cfg, config.dtype, config.device)
-    store = store or AdapterStore(cfg.shape, StoreConfig(max_rank=config.max_lora_rank))
+    store = store or AdapterStore(cfg.shape, StoreConfig(max_rank=config.max_lora_rank, host=HostCacheConfig(dtype=config.dtype)))
     pool_config = PoolConfig(config.max_loras, config.max_lora_rank, config.dtype, config.device)
     pool = LoraPool(cfg.shape, pool_config, on_load=lambda nbytes, s: store.metrics.load("gpu", nbytes, s))
     for name, uri in (adapters or {}).items():
