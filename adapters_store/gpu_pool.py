@@ -6,7 +6,8 @@ running request is pinned (refcount > 0) and never evicted; when every slot is
 pinned, ``acquire`` returns None and the request waits.
 
 On CUDA a load is asynchronous: one host→device copy of the adapter's packed
-(pinned) buffer on a side stream, then device-side scatter into the slot; the
+(pinned) buffer on a side stream, then one device-side copy per matrix and module
+into the slot (adapters_store.host_cache.pack lays the buffer out for that); the
 engine keeps stepping other requests and admits the adapter's requests once
 ``ready(slot)`` (the copy's event has completed).
 """
@@ -20,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from adapters_store.peft_weights import LoraWeights, ModelShape
+from adapters_store.host_cache import pack
+from adapters_store.peft_weights import LoraWeights, ModelShape, ModuleStack
 
 AdapterKey = tuple[str, str]  # (name, version)
 
@@ -103,76 +105,35 @@ class LoraPool:
         return True
 
     def _load(self, slot: int, weights: LoraWeights) -> None:
+        if weights.stacks is None:  # not from the host cache: lay it out as the pool wants
+            weights = pack(weights, pin=False, dtype=self.config.dtype)
         r, scale = weights.manifest.rank, weights.manifest.scale
         self.slot_rank[slot], self.slot_scale[slot] = r, scale
-        for m in self.A:
-            self.has_module[m][slot] = False
-        for _, m in weights.tensors:
-            self.has_module[m][slot] = True
+        for m, has in self.has_module.items():
+            has[slot] = m in weights.stacks
         self.loads += 1
+        start = time.perf_counter()
         if self._copy_stream is None:
-            start = time.perf_counter()
-            self._fill(slot, weights.tensors, r, scale)
+            self._fill(slot, weights.stacks, r, scale)
             self.on_load(weights.nbytes, time.perf_counter() - start)
             return
-        start = time.perf_counter()
         # the slot may still be read by a step already queued on the compute stream
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.config.device))
         with torch.cuda.stream(self._copy_stream):
-            staging, tensors = _to_device(weights, self.config.device)
-            self._fill(slot, tensors, r, scale)
+            staging = weights.buffer.to(self.config.device, non_blocking=True)  # the one host→device copy
+            on_device = lambda t: staging.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731
+            self._fill(slot, {m: ModuleStack(st.layers, on_device(st.A), on_device(st.Bt))
+                              for m, st in weights.stacks.items()}, r, scale)
             done = torch.cuda.Event()
             done.record(self._copy_stream)
         self._pending[slot] = (done, start, weights.nbytes, staging)
 
-    def _fill(self, slot: int, tensors: dict, r: int, scale: float) -> None:
-        by_module: dict[str, dict[int, tuple]] = {}
-        for (layer, m), pair in tensors.items():
-            by_module.setdefault(m, {})[layer] = pair
-        for m in self.A:
-            self.A[m][:, slot].zero_()
-            self.B[m][:, slot].zero_()
-        for m, layers in by_module.items():
-            stacked = _stacked(layers, self.A[m].shape[0])
-            if stacked is not None:  # one strided copy per matrix for all layers
-                self.A[m][:, slot, :r].copy_(stacked[0])  # [L, r, in]
-                self.B[m][:, slot, :r].copy_(stacked[1].transpose(1, 2))  # [L, out, r] -> [L, r, out]
-                continue
-            for layer, (a, b) in layers.items():
-                self.A[m][layer, slot, :r].copy_(a)  # a: [r, in]
-                self.B[m][layer, slot, :r].copy_(b.T)  # b: [out, r] -> [r, out]
+    def _fill(self, slot: int, stacks: dict[str, ModuleStack], r: int, scale: float) -> None:
+        """Rows beyond the rank and modules the adapter lacks are left as they are: the
+        kernels read A/B only up to the slot's rank, and segments skip untargeted modules."""
+        for m, st in stacks.items():
+            layers = slice(None) if len(st.layers) == self.A[m].shape[0] else list(st.layers)
+            self.A[m][layers, slot, :r] = st.A  # [L, r, in]
+            self.B[m][layers, slot, :r] = st.Bt  # [L, r, out]
         self.ranks[slot].fill_(r)
         self.scales[slot].fill_(scale)
-
-
-def _stacked(layers: dict[int, tuple], num_layers: int):
-    """Every layer's A (and B) as one [L, ...] view when they lie evenly spaced in one buffer."""
-    if len(layers) != num_layers:
-        return None
-    views = []
-    for k in (0, 1):
-        ts = [layers[i][k] for i in range(num_layers)]
-        base = ts[0]
-        step = ts[1].storage_offset() - base.storage_offset() if num_layers > 1 else 0
-        if not all(t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-                   and t.storage_offset() == base.storage_offset() + i * step and t.is_contiguous()
-                   for i, t in enumerate(ts)):
-            return None
-        views.append(base.as_strided((num_layers, *base.shape), (step, *base.stride()), base.storage_offset()))
-    return views
-
-
-def _to_device(weights: LoraWeights, device) -> tuple[torch.Tensor | None, dict]:
-    """The adapter's tensors on the device, through one copy when the host cache packed
-    them into a single pinned buffer (else one copy per tensor)."""
-    first = next(iter(weights.tensors.values()))[0]
-    storage = first.untyped_storage()
-    packed = first.is_pinned() and all(
-        t.untyped_storage().data_ptr() == storage.data_ptr() for pair in weights.tensors.values() for t in pair)
-    if not packed:
-        return None, {k: (a.to(device, non_blocking=True), b.to(device, non_blocking=True))
-                      for k, (a, b) in weights.tensors.items()}
-    flat = torch.empty(0, dtype=first.dtype).set_(storage)
-    staging = flat.to(device, non_blocking=True)
-    view = lambda t: staging.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731
-    return staging, {k: (view(a), view(b)) for k, (a, b) in weights.tensors.items()}

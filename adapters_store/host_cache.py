@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from adapters_store.peft_weights import LoraWeights
+from adapters_store.peft_weights import LoraWeights, ModuleStack
 
 log = logging.getLogger("loraplex.adapters")
 AdapterKey = tuple[str, str]  # (name, version)
@@ -31,24 +31,28 @@ class HostCacheConfig:
 
 
 def pack(weights: LoraWeights, pin: bool, dtype: torch.dtype = torch.float32) -> LoraWeights:
-    """The same adapter with every tensor a view into one contiguous (pinned) ``dtype`` buffer."""
-    # module-major, layer-minor: each module's layers sit evenly spaced in the buffer, so the
-    # GPU pool moves a whole module with one strided copy (see gpu_pool._stacked)
-    items = sorted(weights.tensors.items(), key=lambda kv: (kv[0][1], kv[0][0]))
-    total = sum(a.numel() + b.numel() for _, (a, b) in items)
+    """The same adapter in one contiguous (pinned) ``dtype`` buffer: per module, every
+    layer's A, then every layer's B transposed ([rank, out], the GPU pool's layout)."""
+    by_module: dict[str, list[int]] = {}
+    for layer, m in sorted(weights.tensors):
+        by_module.setdefault(m, []).append(layer)
+    total = sum(a.numel() + b.numel() for a, b in weights.tensors.values())
     flat = torch.empty(total, dtype=dtype, pin_memory=pin)
-    offset, tensors = 0, {}
+    offset, stacks, tensors = 0, {}, {}
 
-    def take(t: torch.Tensor) -> torch.Tensor:
+    def block(matrices: list[torch.Tensor]) -> torch.Tensor:
         nonlocal offset
-        view = flat[offset:offset + t.numel()].view(t.shape)
-        view.copy_(t)
-        offset += t.numel()
+        view = flat[offset:offset + sum(t.numel() for t in matrices)].view(len(matrices), *matrices[0].shape)
+        view.copy_(torch.stack(matrices))
+        offset += view.numel()
         return view
 
-    for where, (a, b) in items:
-        tensors[where] = (take(a), take(b))
-    return replace(weights, tensors=tensors)
+    for m, layers in by_module.items():
+        a = block([weights.tensors[layer, m][0] for layer in layers])  # [L_m, r, in]
+        bt = block([weights.tensors[layer, m][1].T for layer in layers])  # [L_m, r, out]
+        stacks[m] = ModuleStack(tuple(layers), a, bt)
+        tensors.update({(layer, m): (a[i], bt[i].T) for i, layer in enumerate(layers)})
+    return replace(weights, tensors=tensors, buffer=flat, stacks=stacks)
 
 
 class HostCache:

@@ -27,13 +27,27 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class ModuleStack:
+    """One module's matrices over the layers that have it, in the GPU pool's layout
+    (B transposed), so a whole module moves into a pool slot with one copy per matrix."""
+
+    layers: tuple[int, ...]
+    A: torch.Tensor  # [len(layers), rank, in]
+    Bt: torch.Tensor  # [len(layers), rank, out]
+
+
+@dataclass(frozen=True)
 class LoraWeights:
-    """A: [rank, in] and B: [out, rank] per (layer, module), in fp32 on the host."""
+    """A: [rank, in] and B: [out, rank] per (layer, module), fp32 on the host as parsed.
+    Packed (adapters_store.host_cache.pack): ``tensors`` are views into one ``buffer``
+    that ``stacks`` also view, module by module."""
 
     name: str
     version: str
     manifest: AdapterManifest
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    buffer: torch.Tensor | None = None  # [elements], one dtype
+    stacks: dict[str, ModuleStack] | None = None
 
     @property
     def nbytes(self) -> int:

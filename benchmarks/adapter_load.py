@@ -58,8 +58,8 @@ def random_weights(cfg: ModelConfig) -> ModelWeights:
 def random_adapter(cfg: ModelConfig) -> LoraWeights:
     tensors = {(layer, m): (torch.randn(RANK, d_in) * 0.01, torch.randn(d_out, RANK) * 0.01)
                for layer in range(cfg.num_layers) for m, (d_in, d_out) in cfg.module_dims.items()}
-    # the host cache's layout: one pinned fp32 buffer per adapter
-    return pack(LoraWeights("proto", "v0", AdapterManifest(RANK, 32.0, False, None), tensors), pin=True)
+    # the host cache's layout: one pinned buffer per adapter, in the serving dtype
+    return pack(LoraWeights("proto", "v0", AdapterManifest(RANK, 32.0, False, None), tensors), pin=True, dtype=DTYPE)
 
 
 class Adapters:
@@ -96,7 +96,7 @@ def measure_h2d(cfg, proto) -> dict:
             pass
         loads.append(time.perf_counter() - t0)
     load_s = statistics.median(loads[2:])
-    return {"adapter_bytes_fp32": nbytes, "adapter_bytes_fp16_on_gpu": nbytes // 2,
+    return {"adapter_bytes": nbytes, "host_dtype": str(DTYPE).removeprefix("torch."),
             "pinned_bw_GBps": round(pinned, 1), "h2d_GBps": round(nbytes / load_s / 1e9, 1),
             "load_ms": round(load_s * 1e3, 2), "raw_copy_ms": round(statistics.median(times) * 1e3, 2)}
 

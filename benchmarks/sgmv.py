@@ -27,8 +27,8 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 WORKLOADS = ("distinct", "uniform", "skewed", "identical")
 PREFILL = [(r, w, t) for r in (16, 64) for w in ("identical", "uniform") for t in (512, 2048, 8192)]
 # add_lora with each cluster width and with/without the L2 prefetch, to pick the defaults
-SWEEP = [(16, "distinct", b) for b in (1, 16, 32, 64)] + [(64, "distinct", b) for b in (1, 16, 64)] + [
-    (64, "identical", 1), (64, "identical", 64), (8, "distinct", 64), (32, "distinct", 64),
+SWEEP = [(r, "distinct", b) for r in (16, 32, 64) for b in (1, 16, 32, 64)] + [
+    (64, "identical", 1), (64, "identical", 64), (64, "uniform", 32), (8, "distinct", 64),
     (16, "identical", 2048), (64, "uniform", 2048), (16, "uniform", 8192)]
 H, POOL, ZIPF, REPS = 4096, 512, 1.5, 100
 RESULT = pathlib.Path(__file__).parent / "results" / "sgmv_h200.json"
@@ -66,11 +66,8 @@ class Case:
         return self.indptr, self.slot_ids, self.ranks
 
     def ours(self, prefetch=None, split=None):
-        if split is None and prefetch is None:
-            sgmv.add_lora(self.y, self.x, self.A, self.B, *self.segs(), self.scales)
-        else:  # forced cluster width / prefetch, for the sweep
-            sgmv._run(sgmv.FUSED, self.batch, x=self.x, y=self.y, A=self.A, B=self.B, indptr=self.indptr,
-                      slot_ids=self.slot_ids, ranks=self.ranks, scales=self.scales, prefetch=prefetch, split=split)
+        """prefetch / split None: the defaults; forced for the sweep."""
+        sgmv.add_lora(self.y, self.x, self.A, self.B, *self.segs(), self.scales, prefetch=prefetch, split=split)
 
     def ours_2launch(self):
         sgmv.sgmv_shrink(self.v, self.x, self.A, *self.segs())

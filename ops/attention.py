@@ -60,6 +60,6 @@ def paged_attention(out, q, k_cache, v_cache, groups, scale):
         mask = g.mask.to(q.dtype).repeat(1, 1, group, 1)  # rows ordered (head in group, query)
         with sdpa_kernel(_CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
-        o = o.view(seqs, heads, max_q, d).transpose(1, 2).reshape(-1, heads, d)  # [seqs * max_q, heads, d]
+        o = o.reshape(seqs, heads, max_q, d).transpose(1, 2).reshape(-1, heads, d)  # [seqs * max_q, heads, d]
         out[g.out_rows] = o[g.out_index]
     return out

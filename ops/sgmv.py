@@ -22,9 +22,10 @@ from . import nvrtc, reference
 SHRINK, EXPAND, FUSED = 0, 1, 2
 _THREADS = 128
 _SPLIT = 8  # blocks sharing one work item: split-K in the shrink, split-N in the expand
-# add_lora on sm_90, measured on the H200: spread an item over as many blocks as
-# keeps the grid within two blocks per SM, else 4 (also best for prefill).
-_FUSED_SPLITS, _BLOCKS_PER_SM = (16, 8, 4), 2
+# add_lora on sm_90, measured on the H200 (benchmarks/sgmv.py's sweep): clusters of 16
+# while the grid fits one block per SM, of 8 up to ~two blocks per SM (34 items, e.g.
+# 32 distinct adapters), else of 4 (also best for prefill).
+_FUSED_SPLITS = ((16, 1.0), (8, 2.1), (4, float("inf")))  # (cluster width, most blocks per SM)
 # L2-prefetch every row a block touches while it still waits on the rank
 # (measured: wins while few blocks run, loses once DRAM is busy).
 _PREFETCH_ITEM_RANKS = 512
@@ -57,13 +58,13 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
 def all_kernel_names(arch: int) -> list[str]:
     """Every instantiation the wrappers can ask for on `arch` (CI compiles them all)."""
     shapes = [(m, dt, r, t, split) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
-              for t in (1, _BIG_TILE_TOKENS) for split in (_FUSED_SPLITS if m == FUSED else (_SPLIT,))]
+              for t in (1, _BIG_TILE_TOKENS) for split in ([s for s, _ in _FUSED_SPLITS] if m == FUSED else (_SPLIT,))]
     return sorted({kernel_name(m, dt, r, t, arch, split)[0] for m, dt, r, t, split in shapes})
 
 
 def _fused_split(items: int, device: int) -> int:
     sms = _sm_count(device)
-    return next((s for s in _FUSED_SPLITS if items * s <= _BLOCKS_PER_SM * sms), _FUSED_SPLITS[-1])
+    return next(s for s, per_sm in _FUSED_SPLITS if items * s <= per_sm * sms)
 
 
 @functools.cache
@@ -157,7 +158,7 @@ def sgmv_expand(y, v, B, indptr, slot_ids, ranks, scales, y_offset=0):
     return y
 
 
-def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None):
+def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *, prefetch=None, split=None):
     """y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T @ B[slot_i, :r_i].
 
     The whole LoRA add-on in one launch: a cluster of 16, 8 or 4 blocks per
@@ -168,7 +169,8 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None):
     y.stride(0)); x: [tokens, h_in]; A: [slots, max_rank, h_in];
     B: [slots, max_rank, h_out]. v never leaves the chip, so no scratch is
     needed; pass v (float32 [tokens, >= max_rank]) to also receive x @ A.T as
-    sgmv_shrink writes it. Returns y.
+    sgmv_shrink writes it. prefetch (L2 prefetch on/off) and split (cluster width) override
+    the measured defaults (for the benchmark's sweep and the tests). Returns y.
     """
     if not x.is_cuda:
         if v is not None:
@@ -177,5 +179,5 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None):
     _check(x, A, y, v, (indptr, slot_ids, ranks, scales), y_offset)
     _check(x, B, y, None, (), y_offset)
     _run(FUSED, x.shape[0], x=x, y=y, v=v, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks,
-         scales=scales, y_offset=y_offset)
+         scales=scales, y_offset=y_offset, prefetch=prefetch, split=split)
     return y

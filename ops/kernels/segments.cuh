@@ -19,17 +19,24 @@ struct Piece {
 __device__ __forceinline__ int merge_corank(const int* indptr, int nseg, int nblk, int M, int p1) {
   // Largest i in [lo, hi] whose first p1 merged elements hold i segment starts:
   // indptr[i-1] <= row-block start (p1 - i) * M (ties put segment starts first).
+  // Each lane tests K candidates at once, so up to 128 segments take one load round.
+  constexpr int K = 4;
   const int lane = threadIdx.x & 31;
   int lo = max(0, p1 - nblk), hi = min(nseg, p1);
   while (lo < hi) {
-    const int step = (hi - lo + 31) / 32;
-    const int c = lo + (lane + 1) * step;
-    bool ok = false;
-    if (c <= hi) {
-      const int j = p1 - c;
-      ok = j >= nblk || __ldg(indptr + c - 1) <= j * M;
+    const int step = (hi - lo + 32 * K - 1) / (32 * K);
+    int below = 0;  // the predicate holds on a prefix of the candidates: count them
+#pragma unroll
+    for (int t = 0; t < K; ++t) {
+      const int c = lo + (lane * K + t + 1) * step;
+      bool ok = false;
+      if (c <= hi) {
+        const int j = p1 - c;
+        ok = j >= nblk || __ldg(indptr + c - 1) <= j * M;
+      }
+      below += __popc(__ballot_sync(0xffffffffu, ok));
     }
-    lo += __popc(__ballot_sync(0xffffffffu, ok)) * step;
+    lo += below * step;
     hi = min(hi, lo + step - 1);
   }
   return lo;

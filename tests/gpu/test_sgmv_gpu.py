@@ -88,7 +88,7 @@ def rel_err(out, ref):
     return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def check_case(dtype, h_in, h_out, rank, workload, batch, pool, rng):
+def check_case(dtype, h_in, h_out, rank, workload, batch, pool, rng, **forced):
     A, B, ranks, scales = pool
     segs = make_segments(workload, batch, rng)
     tokens = sum(n for _, n in segs)
@@ -122,10 +122,10 @@ def check_case(dtype, h_in, h_out, rank, workload, batch, pool, rng):
     y = y0.clone()
     check_y(sgmv.sgmv_expand(y, v_ref, B, *seg_args, scales, y_offset=PAD), "expand")
     y, v = y0.clone(), torch.full_like(v_ref, math.nan)
-    sgmv.add_lora(y, x, A, B, *seg_args, scales, y_offset=PAD, v=v)
+    sgmv.add_lora(y, x, A, B, *seg_args, scales, y_offset=PAD, v=v, **forced)
     check_y(y, "add_lora")
     check_v(v, "add_lora")
-    return [f"{dtype} h={h_in}->{h_out} r={rank} {workload} B={batch} nseg={len(segs)}: {e}" for e in errors]
+    return [f"{dtype} h={h_in}->{h_out} r={rank} {workload} B={batch} nseg={len(segs)} {forced}: {e}" for e in errors]
 
 
 @pytest.mark.parametrize("rank", RANKS)
@@ -144,6 +144,17 @@ def test_projection_shapes(h_in, h_out):
     pool = make_pool(torch.bfloat16, h_in, h_out, "mixed", seed=h_in)
     failures = [f for w in WORKLOADS for b in (1, 7, 64, 1000)
                 for f in check_case(torch.bfloat16, h_in, h_out, "mixed", w, b, pool, rng)]
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("prefetch", (False, True))
+@pytest.mark.parametrize("split", (4, 8, 16))
+def test_every_prefetch_choice_and_cluster_width(prefetch, split):
+    """The defaults pick these by measurement: every choice must be exact, whatever is picked."""
+    rng = np.random.default_rng(split * 10 + prefetch)
+    pool = make_pool(torch.float16, 4096, 4096, "mixed", seed=split)
+    failures = [f for w in WORKLOADS for b in (1, 16, 64, 300)
+                for f in check_case(torch.float16, 4096, 4096, "mixed", w, b, pool, rng, prefetch=prefetch, split=split)]
     assert not failures, "\n".join(failures[:20])
 
 
