@@ -14,6 +14,7 @@ engine keeps stepping other requests and admits the adapter's requests once
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import time
@@ -33,6 +34,14 @@ class PoolConfig:
     max_rank: int = 16
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+
+
+def slots_for_budget(shape: ModelShape, max_rank: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    """How many slots of max_rank (A and B of every module and layer) fit in budget_bytes."""
+    per_slot = shape.num_layers * max_rank * sum(d_in + d_out for d_in, d_out in shape.dims.values()) * dtype.itemsize
+    if budget_bytes < per_slot:
+        raise ValueError(f"{budget_bytes} bytes hold no adapter slot: one of rank {max_rank} takes {per_slot}")
+    return budget_bytes // per_slot
 
 
 class LoraPool:
@@ -57,7 +66,10 @@ class LoraPool:
         self.evictions = 0
         cuda = torch.device(config.device).type == "cuda"
         self._copy_stream = torch.cuda.Stream(config.device) if cuda else None
-        self._pending: dict[int, tuple] = {}  # slot -> (done event, start time, bytes, staging buffer)
+        # loads are issued from their own thread: issuing one (a few dozen launches) would
+        # otherwise lengthen the engine step that admits its request
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="lora-h2d") if cuda else None
+        self._pending: dict[int, tuple[Future, float, int]] = {}  # slot -> (copy, start time, bytes)
 
     def acquire(self, weights: LoraWeights) -> int | None:
         """Pin the adapter in a slot (loading it if needed); None if every slot is pinned."""
@@ -98,10 +110,11 @@ class LoraPool:
         pending = self._pending.get(slot)
         if pending is None:
             return True
-        if not pending[0].query():
+        copy, start, nbytes = pending
+        if not (copy.done() and copy.result()[0].query()):  # result() re-raises a failed copy
             return False
         del self._pending[slot]
-        self.on_load(pending[2], time.perf_counter() - pending[1])
+        self.on_load(nbytes, time.perf_counter() - start)
         return True
 
     def _load(self, slot: int, weights: LoraWeights) -> None:
@@ -113,20 +126,25 @@ class LoraPool:
             has[slot] = m in weights.stacks
         self.loads += 1
         start = time.perf_counter()
-        if self._copy_stream is None:
+        if self._copier is None:
             self._fill(slot, weights.stacks, r, scale)
             self.on_load(weights.nbytes, time.perf_counter() - start)
             return
-        # the slot may still be read by a step already queued on the compute stream
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.config.device))
+        slot_free = torch.cuda.Event()  # the slot may still be read by steps queued before now
+        slot_free.record(torch.cuda.current_stream(self.config.device))
+        self._pending[slot] = (self._copier.submit(self._copy, slot, weights, slot_free), start, weights.nbytes)
+
+    def _copy(self, slot: int, weights: LoraWeights, slot_free: torch.cuda.Event):
+        """On the copier thread: (done event, staging buffer to keep alive until done)."""
         with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(slot_free)
             staging = weights.buffer.to(self.config.device, non_blocking=True)  # the one host→device copy
             on_device = lambda t: staging.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731
             self._fill(slot, {m: ModuleStack(st.layers, on_device(st.A), on_device(st.Bt))
-                              for m, st in weights.stacks.items()}, r, scale)
+                              for m, st in weights.stacks.items()}, weights.manifest.rank, weights.manifest.scale)
             done = torch.cuda.Event()
             done.record(self._copy_stream)
-        self._pending[slot] = (done, start, weights.nbytes, staging)
+        return done, staging
 
     def _fill(self, slot: int, stacks: dict[str, ModuleStack], r: int, scale: float) -> None:
         """Rows beyond the rank and modules the adapter lacks are left as they are: the

@@ -62,6 +62,7 @@ class AppArgs(_Strict):
     num_kv_blocks: int = Field(512, ge=1)
     block_size: int = Field(16, ge=1)
     max_loras: int = Field(8, ge=1)
+    lora_memory_gb: float | None = Field(None, gt=0)  # GPU memory for adapter slots: overrides max_loras
     max_lora_rank: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     adapter_dirs: list[str] = []
@@ -117,6 +118,7 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
     engine = EngineConfig(
         max_num_seqs=a.max_batch_size, max_tokens_per_step=a.max_tokens_per_step, num_kv_blocks=a.num_kv_blocks,
         block_size=a.block_size, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank, dtype=_DTYPES[a.dtype],
+        lora_memory_bytes=None if a.lora_memory_gb is None else int(a.lora_memory_gb * 2**30),
         device=a.device, max_model_len=a.max_model_len,
     )
     name = a.model_name or (Path(a.model).name if a.model else default_model_name)

@@ -11,6 +11,7 @@ class EngineConfig:
     num_kv_blocks: int = 512
     block_size: int = 16
     max_loras: int = 8  # adapter slots resident at once
+    lora_memory_bytes: int | None = None  # if set, sizes the slots instead of max_loras
     max_lora_rank: int = 16
     dtype: torch.dtype = torch.float32
     device: str = "cpu"

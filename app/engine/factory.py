@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from adapters_store.gpu_pool import LoraPool, PoolConfig
+from adapters_store.gpu_pool import LoraPool, PoolConfig, slots_for_budget
 from adapters_store.host_cache import HostCacheConfig
 from adapters_store.store import AdapterStore, StoreConfig
 from app.engine.config import EngineConfig
@@ -31,7 +31,9 @@ def build_engine(model_path: str | Path | None = None, config: EngineConfig = En
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
     weights = load_weights(path, cfg, config.dtype, config.device)
     store = store or AdapterStore(cfg.shape, StoreConfig(max_rank=config.max_lora_rank, host=HostCacheConfig(dtype=config.dtype)))
-    pool_config = PoolConfig(config.max_loras, config.max_lora_rank, config.dtype, config.device)
+    slots = config.max_loras if config.lora_memory_bytes is None else \
+        slots_for_budget(cfg.shape, config.max_lora_rank, config.dtype, config.lora_memory_bytes)
+    pool_config = PoolConfig(slots, config.max_lora_rank, config.dtype, config.device)
     pool = LoraPool(cfg.shape, pool_config, on_load=lambda nbytes, s: store.metrics.load("gpu", nbytes, s))
     for name, uri in (adapters or {}).items():
         store.register(name, uri)
