@@ -34,7 +34,7 @@ struct SgmvArgs {
   const float* scales;
   long long x_stride, y_stride, v_stride;  // row strides, elements
   long long a_slot, b_slot;                // pool slot strides, elements
-  int nseg, tokens, h_in, h_out, max_rank, prefetch;
+  int nseg, tokens, h_in, h_out, max_rank, prefetch, slots;
 };
 
 constexpr int WARPS = 4;
@@ -51,6 +51,7 @@ struct Tile {
   static constexpr int RED_BYTES = WARPS * M * NTG * 8 * 4;  // per-warp partials of one pass
   static constexpr int VH_BYTES = M * RP * 2;
   static constexpr int SCRATCH = cmax(RED_BYTES, VH_BYTES);
+  static constexpr int KC = RMAX <= 64 ? RMAX / 16 : 2;  // k16 chunks of B an expand step loads at once (registers)
 };
 
 // Prefetch rows [0, nrows) x columns [c0, c1) of a row-major matrix into L2, so
@@ -179,12 +180,12 @@ __device__ __forceinline__ void load_v(const SgmvArgs& a, const Piece& pc, T (*v
 }
 
 // The loads of one 64-column expand step that need no v: the y tile (read-
-// modify-write) and B's first 16 rows. Issued one step ahead, so a warp's
-// steps overlap instead of paying a memory round trip each.
-template <int MT>
+// modify-write) and B's first KC k16 chunks (every chunk up to rank 64), all
+// issued together so a step costs one memory round trip, not one per chunk.
+template <int MT, int KC>
 struct StepLoads {
   uint4 y[MT][2][2];  // [row tile][row g / g+8][columns 16q.. / 16q+8..]
-  uint4 b[4];         // B rows 2q, 2q+1, 2q+8, 2q+9 of the k16 step, columns 8g..
+  uint4 b[KC][4];     // per chunk kk: B rows 16kk + 2q, 2q+1, 2q+8, 2q+9, columns 8g..
 };
 
 template <class T>
@@ -197,8 +198,8 @@ __device__ __forceinline__ void load_b_k16(uint4 (&br)[4], const T* B, int h_out
   }
 }
 
-template <class T, int MT>
-__device__ __forceinline__ void load_step(StepLoads<MT>& st, const SgmvArgs& a, const Piece& pc, int cb, int cend) {
+template <class T, int MT, int KC>
+__device__ __forceinline__ void load_step(StepLoads<MT, KC>& st, const SgmvArgs& a, const Piece& pc, int cb, int cend) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const T* y = static_cast<const T*>(a.y) + (long long)pc.start * a.y_stride;
 #pragma unroll
@@ -210,7 +211,9 @@ __device__ __forceinline__ void load_step(StepLoads<MT>& st, const SgmvArgs& a, 
         const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
         st.y[mt][h][hf] = ldg16(y + (long long)row * a.y_stride + col, row < pc.rows && col < cend);
       }
-  load_b_k16(st.b, static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot, a.h_out, pc.rank, 0, cb, cend);
+  const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
+#pragma unroll
+  for (int kk = 0; kk < KC; ++kk) load_b_k16(st.b[kk], B, a.h_out, pc.rank, kk, cb, cend);  // masked past the rank
 }
 
 // acc += vh[:, 16kk..] @ B rows 16kk.. (columns permuted: see the top of the file).
@@ -240,8 +243,8 @@ __device__ __forceinline__ void mma_k16(float (&acc)[MT][8][4], const uint4 (&br
 }
 
 // y = y + scale * acc, rounded once; each lane owns 16 consecutive columns of two rows.
-template <class T, int MT>
-__device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, const StepLoads<MT>& st,
+template <class T, int MT, int KC>
+__device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, const StepLoads<MT, KC>& st,
                                            const float (&acc)[MT][8][4], int cb, int cend) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   T* y = static_cast<T*>(a.y) + (long long)pc.start * a.y_stride;
@@ -267,23 +270,28 @@ __device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, c
 }
 
 // y[rows, cs] += scale * vh @ B[slot][:, cs] over this block's column share cs;
-// PIPE: `cur` holds the loads of the warp's first step, issued before v was
-// ready, and step s + 1 is loaded before step s is computed.
+// `cur` holds the loads of the warp's first step, issued before v was ready.
+// PIPE (as registers allow): step s + 1 is loaded before step s is computed.
 template <class T, int RMAX, int MT, bool PIPE>
 __device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, int2 cs,
-                                            const T (*vh)[Tile<T, RMAX, MT>::RP], StepLoads<MT> cur) {
+                                            const T (*vh)[Tile<T, RMAX, MT>::RP],
+                                            StepLoads<MT, Tile<T, RMAX, MT>::KC> cur) {
+  constexpr int KC = Tile<T, RMAX, MT>::KC;
   const int w = threadIdx.x >> 5;
   const int ksteps = (pc.rank + 15) / 16, nsteps = (cs.y - cs.x + 63) / 64;
   const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
-  if (!PIPE) load_step<T, MT>(cur, a, pc, cs.x + w * 64, cs.y);
   for (int s = w; s < nsteps; s += WARPS) {
     const int cb = cs.x + s * 64;
-    StepLoads<MT> next;
+    StepLoads<MT, KC> next;
     if (PIPE) load_step<T, MT>(next, a, pc, cb + WARPS * 64, cs.y);  // masked off past the share
     float acc[MT][8][4] = {};
-    mma_k16<T, RMAX, MT>(acc, cur.b, vh, 0);
 #pragma unroll
-    for (int kk = 1; kk < RMAX / 16; ++kk) {
+    for (int kk = 0; kk < KC; ++kk) {
+      if (kk >= ksteps) break;
+      mma_k16<T, RMAX, MT>(acc, cur.b[kk], vh, kk);
+    }
+#pragma unroll
+    for (int kk = KC; kk < RMAX / 16; ++kk) {  // rank 128: the rest chunk by chunk
       if (kk >= ksteps) break;
       uint4 br[4];
       load_b_k16(br, B, a.h_out, pc.rank, kk, cb, cs.y);
@@ -319,22 +327,31 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   auto vh = reinterpret_cast<T(*)[TL::RP]>(scratch);
 
   const int crank = blockIdx.x % SPLIT;
+  if (threadIdx.x < 32) {
+    // The small index arrays into L1 while the segment search's loads are in flight, so
+    // the lookups that depend on its answer (slot, then rank and scale) hit instead of
+    // paying a DRAM round trip each: 32 lines each, 1024 segments and slots.
+    const int i = threadIdx.x * 32;
+    if (i < a.nseg) prefetch_l1(a.slot_ids + i);
+    if (i < a.slots) prefetch_l1(a.ranks + i);
+    if (i < a.slots && a.scales) prefetch_l1(a.scales + i);
+  }
   Piece pc;  // the whole cluster finds the same item, so it returns together
   if (!find_piece(a.indptr, a.slot_ids, a.nseg, a.tokens, TL::M, blockIdx.x / SPLIT, pc)) return;
   const int2 ks = share(a.h_in, 32, crank, SPLIT), cs = share(a.h_out, 64, crank, SPLIT);
   if (a.prefetch) prefetch_piece<T, MODE>(a, pc, ks, cs);
   if (!adapter_rank(a.ranks, a.scales, a.max_rank, pc)) return;
-  constexpr bool PIPE = MT == 1 && RMAX <= (SPLIT <= 4 ? 64 : 32);  // as registers allow
-  StepLoads<MT> first;  // with PIPE, the expand's first loads fly while v is summed
+  constexpr bool PIPE = MT == 1 && RMAX <= 32;  // as registers allow
+  StepLoads<MT, TL::KC> first;  // the expand's first loads fly while v is summed
   if (MODE == EXPAND) {
-    if (PIPE) load_step<T, MT>(first, a, pc, cs.x + (threadIdx.x >> 5) * 64, cs.y);
+    load_step<T, MT>(first, a, pc, cs.x + (threadIdx.x >> 5) * 64, cs.y);
     load_v<T, RMAX, MT, VT>(a, pc, vh);
   } else {
     // k-steps in flight per warp: 16-byte loads per lane as the register cap allows
     constexpr int LOADS = MT == 1 && SPLIT <= 4 ? 32 : 24;
     constexpr int U = cmax(1, cmin(8, LOADS / (2 * MT + TL::NTG)));
     shrink_partial<T, RMAX, MT, U>(a, pc, ks, part, reinterpret_cast<float*>(scratch));
-    if (MODE == FUSED && PIPE) load_step<T, MT>(first, a, pc, cs.x + (threadIdx.x >> 5) * 64, cs.y);
+    if (MODE == FUSED) load_step<T, MT>(first, a, pc, cs.x + (threadIdx.x >> 5) * 64, cs.y);
     if (CLUSTER) cluster_sync();  // every block's partial is visible to the cluster
     reduce_partials<T, RMAX, MT, SPLIT, VT>(a, pc, crank, part, vh, MODE == FUSED);
     if (CLUSTER) cluster_arrive();  // done reading the peers' partials
@@ -346,9 +363,9 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   if (CLUSTER) cluster_wait();  // peers may still read our partials until here
 }
 
-// Blocks per SM the registers must allow: 4 for decode clusters of 8 or 16
-// (a second wave would double the step), 3 elsewhere (more loads in flight).
-#define MINB (MT == 2 ? 2 : SPLIT > 4 ? 4 : 3)
+// Blocks per SM the registers must allow: 3 (ops/sgmv.py sizes decode grids to at
+// most ~2.1 blocks per SM, so no second wave), 2 for 32-row tiles.
+#define MINB (MT == 2 ? 2 : 3)
 
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT>
 __global__ void __launch_bounds__(THREADS, MINB) sgmv_kernel(const SgmvArgs a) {
