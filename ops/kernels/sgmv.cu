@@ -146,13 +146,15 @@ __device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& 
   VT* v = static_cast<VT*>(a.v);
   for (int e = threadIdx.x; e < Tile<T, RMAX, MT>::M * quads; e += THREADS) {
     const int m = e / quads, n = (e % quads) * 4;
+    // Every peer's partial is requested before any is summed: the loads' latencies
+    // overlap instead of adding up (the sum keeps the fixed order c = 0, 1, ...).
+    float4 p[SPLIT];
+#pragma unroll
+    for (int c = 0; c < SPLIT; ++c)
+      p[c] = SPLIT > 1 ? ld_dsmem_f4(dsmem_addr(&part[m][n], c)) : *reinterpret_cast<const float4*>(&part[m][n]);
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int c = 0; c < SPLIT; ++c) {
-      const float4 p = SPLIT > 1 ? ld_dsmem_f4(dsmem_addr(&part[m][n], c))
-                                 : *reinterpret_cast<const float4*>(&part[m][n]);
-      s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
-    }
+    for (int c = 0; c < SPLIT; ++c) s.x += p[c].x, s.y += p[c].y, s.z += p[c].z, s.w += p[c].w;
     const float sv[4] = {s.x, s.y, s.z, s.w};
     if (keep_vh) {
 #pragma unroll
