@@ -30,6 +30,8 @@ PREFILL = [(r, w, t) for r in (16, 64) for w in ("identical", "uniform") for t i
 SWEEP = [(r, "distinct", b) for r in (16, 32, 64) for b in (1, 16, 32, 64)] + [
     (64, "identical", 1), (64, "identical", 64), (64, "uniform", 32), (8, "distinct", 64),
     (16, "identical", 2048), (64, "uniform", 2048), (16, "uniform", 8192)]
+# where the time goes: each phase alone, and a second add-on straight after (its data L2-hot)
+PHASES = [(r, b) for r in (16, 32, 64) for b in (1, 16, 32, 64)]
 H, POOL, ZIPF, REPS = 4096, 512, 1.5, 100
 RESULT = pathlib.Path(__file__).parent / "results" / "sgmv_h200.json"
 
@@ -125,12 +127,21 @@ def check(case):
     assert err < 2e-2, f"r={case.rank} B={case.batch}: rel err {err:.1e}"
 
 
+def time_phases(case, flush):
+    """µs of the fused add-on, of the shrink and the expand kernels alone, and of two fused
+    add-ons back to back (the second finds x, A and B in L2: what latency alone costs)."""
+    return dict(rank=case.rank, workload="distinct", batch=case.batch, fused_us=time_graph(case.ours, flush),
+                shrink_us=time_graph(lambda: sgmv.sgmv_shrink(case.v, case.x, case.A, *case.segs()), flush),
+                expand_us=time_graph(lambda: sgmv.sgmv_expand(case.y, case.v, case.B, *case.segs(), case.scales), flush),
+                fused_twice_us=time_graph(lambda: (case.ours(), case.ours()), flush))
+
+
 def run(out):
     rng = np.random.default_rng(0)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     bw = copy_bandwidth()
     null_us = time_graph(lambda: torch.cuda._sleep(0), flush)
-    rows, prefill, sweep = [], [], []
+    rows, prefill, sweep, phases = [], [], [], []
     for rank in RANKS:
         pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
                 torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
@@ -155,6 +166,10 @@ def run(out):
                                     ours_us=time_graph(case.ours, flush), loop_us=time_graph(case.loop, flush),
                                     floor_us=case.floor_bytes() / bw * 1e6))
                 print(prefill[-1], flush=True)
+        for r, batch in PHASES:
+            if r == rank:
+                phases.append(time_phases(Case(rank, "distinct", batch, rng, pool), flush))
+                print(phases[-1], flush=True)
         for r, workload, batch in SWEEP:
             if r == rank:
                 case = Case(rank, workload, batch, rng, pool)
@@ -169,7 +184,7 @@ def run(out):
                 zipf_alpha=ZIPF, reps=REPS,
                 timing="median of CUDA-event timings of a one-add-on CUDA graph replayed behind a 256 MiB "
                        "L2 flush; null_graph_us: the same for a graph holding one empty kernel")
-    out.write_text(json.dumps(dict(meta=meta, rows=rows, prefill=prefill, sweep=sweep), indent=1))
+    out.write_text(json.dumps(dict(meta=meta, rows=rows, prefill=prefill, sweep=sweep, phases=phases), indent=1))
 
 
 def attach_peers(result, peers_path):
@@ -191,6 +206,11 @@ def table(result):
     for p in result.get("prefill", []):
         print(f"prefill r={p['rank']} {p['workload']} T={p['tokens']}: ours {p['ours_us']:.1f} µs, "
               f"loop {p['loop_us']:.1f} µs, floor {p['floor_us']:.1f} µs")
+    null = result["meta"]["null_graph_us"]
+    for p in result.get("phases", []):
+        print(f"phases r={p['rank']} distinct B={p['batch']}: fused {p['fused_us']:.1f} = graph floor {null:.1f} "
+              f"+ kernel {p['fused_us'] - null:.1f} µs (L2-hot: {p['fused_twice_us'] - p['fused_us']:.1f}); "
+              f"shrink alone {p['shrink_us']:.1f}, expand alone {p['expand_us']:.1f}")
 
 
 def plot(result, png):
