@@ -106,7 +106,8 @@ def _prompt(rng, n=64):
 
 
 def burst(engine: EngineCore, names: list[str], rng, window_s=0.1):
-    """Add one request per name over window_s while stepping; TTFT per request and step times."""
+    """Add one request per name over window_s while stepping: TTFT per request, and the time and
+    tokens of each step that ran."""
     arrivals = {f"{n}-{rng.random()}": (n, i * window_s / len(names)) for i, n in enumerate(names)}
     pending = sorted(arrivals.items(), key=lambda kv: kv[1][1])
     t0, ttft, steps = time.perf_counter(), {}, []
@@ -116,11 +117,11 @@ def burst(engine: EngineCore, names: list[str], rng, window_s=0.1):
         while pending and pending[0][1][1] <= now:
             rid, (name, _) = pending.pop(0)
             engine.add(GenerateRequest(rid, _prompt(rng, 128), params, name))
-        s = time.perf_counter()
+        s, computed = time.perf_counter(), engine.tokens_computed
         chunks = engine.step()
         torch.cuda.synchronize()
         if not engine.idle:
-            steps.append(time.perf_counter() - s)
+            steps.append((time.perf_counter() - s, engine.tokens_computed - computed))
         for c in chunks:
             if c.request_id in arrivals and c.request_id not in ttft and getattr(c, "token_ids", ()):
                 ttft[c.request_id] = time.perf_counter() - t0 - arrivals[c.request_id][1]
@@ -166,8 +167,11 @@ def main():
         **h2d,
         "ttft_p50_ms": ms(pct(cold_ttft, 50)), "ttft_p99_ms": ms(pct(cold_ttft, 99)),
         "warm_ttft_p50_ms": ms(pct(warm_ttft, 50)), "warm_ttft_p99_ms": ms(pct(warm_ttft, 99)),
-        "max_decode_step_ms_during_burst": ms(max(cold_steps)),
-        "max_step_ms_during_warm_burst": ms(max(warm_burst_steps)),
+        "max_decode_step_ms_during_burst": ms(max(t for t, _ in cold_steps)),
+        "max_step_ms_during_warm_burst": ms(max(t for t, _ in warm_burst_steps)),
+        # a step that waited on a copy would stand out here: time per token it computed
+        "max_us_per_token_during_burst": round(max(t / n for t, n in cold_steps) * 1e6, 1),
+        "max_us_per_token_during_warm_burst": round(max(t / n for t, n in warm_burst_steps) * 1e6, 1),
         "warm_decode_step_ms": ms(statistics.median(warm_steps)),
         "gpu_loads": pool.loads,
     }
@@ -178,7 +182,8 @@ def main():
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "adapter_load_h200.json").write_text(json.dumps({"meta": meta, **result,
                                                               "cold_ttft_s": cold_ttft, "warm_ttft_s": warm_ttft,
-                                                              "cold_steps_s": cold_steps, "warm_burst_steps_s": warm_burst_steps}, indent=1))
+                                                              "cold_steps_s_tokens": cold_steps,
+                                                              "warm_burst_steps_s_tokens": warm_burst_steps}, indent=1))
     plot(cold_ttft, warm_ttft, cold_steps, warm_burst_steps, a.out / "adapter_load_h200.png")
 
 
@@ -194,8 +199,8 @@ def plot(cold_ttft, warm_ttft, cold_steps, warm_steps, path):
     ax1.set_xlabel("time to first token (ms)")
     ax1.set_ylabel("fraction of burst requests")
     ax1.legend()
-    ax2.plot([x * 1e3 for x in cold_steps], label="cold burst")
-    ax2.plot([x * 1e3 for x in warm_steps], label="warm burst")
+    ax2.plot([t * 1e3 for t, _ in cold_steps], "o-", label="cold burst")
+    ax2.plot([t * 1e3 for t, _ in warm_steps], "o-", label="warm burst")
     ax2.set_xlabel("engine step")
     ax2.set_ylabel("step time (ms)")
     ax2.legend()

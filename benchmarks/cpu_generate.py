@@ -1,7 +1,9 @@
 """Tokens/s of the loraplex engine vs HF transformers `generate` (+ PEFT) on the
 default model, on this CPU: batch 1 and batch 16 (mixed adapters: PEFT's
 `adapter_names` mixed-batch inference). Greedy, 64 new tokens, EOS ignored on
-both sides so every request generates the same number of tokens.
+both sides so every request generates the same number of tokens. Beside each
+case, in the same run: the goal, and two ceilings no engine can pass on this
+machine (see ``ceilings``).
 
     python benchmarks/cpu_generate.py [--new-tokens 64] [--out benchmarks/results]
 """
@@ -22,6 +24,7 @@ from app.generate import EXAMPLE_ADAPTERS, local_adapters
 from app.model.default import default_model_dir
 from app.protocol import GenerateRequest, SamplingParams
 
+GOALS = {1: 2.0, 16: 5.0}  # the issue's goal: this many times HF's tokens/s at this batch
 QUESTIONS = ["What is the capital of France?", "Give me three tips for staying healthy.",
              "Write a short poem about the sea.", "How do airplanes fly?"]
 
@@ -70,6 +73,32 @@ def bench_hf(model, tok, prompts, adapters, new_tokens):
     return (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts) / elapsed
 
 
+def _best_s(fn, reps=5) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def ceilings(model, batch: int) -> dict:
+    """Upper bounds on decode tokens/s at this batch on this machine, whatever the engine:
+    blas: one step's weight matmuls alone (x @ W.T for every projection and the LM head,
+    through the same BLAS as HF and the engine), timed here; stream: the weights' bytes
+    over the measured read bandwidth (a perfect kernel at batch 1)."""
+    weights = [w for layer in model.w.layers for w in layer.proj.values()] + [model.w.lm_head]
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    matmuls_s = _best_s(lambda: [xs[w.shape[1]] @ w.T for w in weights])
+    big = torch.ones(2**27)  # 512 MiB: far beyond the caches
+    read_GBps = big.numel() * 4 / _best_s(big.sum) / 1e9
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    return {"blas_ceiling_tok_s": round(batch / matmuls_s, 1),
+            "stream_ceiling_tok_s": round(batch / (weight_bytes / (read_GBps * 1e9)), 1),
+            "read_GBps": round(read_GBps, 1)}
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -81,6 +110,9 @@ def plot(rows, path):
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r["hf_tok_s"] for r in rows], 0.4, label="HF transformers + PEFT")
     ax.bar([i + 0.2 for i in x], [r["engine_tok_s"] for r in rows], 0.4, label="loraplex engine")
+    ax.scatter(x, [r["goal_tok_s"] for r in rows], marker="_", s=900, color="k", label="goal")
+    ax.scatter(x, [r["blas_ceiling_tok_s"] for r in rows], marker="x", color="r",
+               label="ceiling: the step's matmuls alone (this BLAS)")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("generated tokens / s")
     ax.set_title("SmolLM2-135M on this CPU, greedy")
@@ -108,9 +140,13 @@ def main():
         model = _hf_model(used)
         bench_hf(model, tok, prompts[:1], adapters[:1], 4)
         hf = bench_hf(model, tok, prompts, adapters, a.new_tokens)
+        goal = GOALS[len(adapters)] * hf
         rows.append({"case": case, "batch": len(adapters), "engine_tok_s": round(ours, 1), "hf_tok_s": round(hf, 1),
-                     "speedup": round(ours / hf, 2)})
-        print(f"{case:20s} engine {ours:8.1f} tok/s   HF {hf:8.1f} tok/s   x{ours / hf:.2f}", flush=True)
+                     "speedup": round(ours / hf, 2), "goal_tok_s": round(goal, 1), **ceilings(engine.model, len(adapters))})
+        r = rows[-1]
+        print(f"{case:20s} engine {ours:8.1f} tok/s   HF {hf:8.1f} tok/s   x{ours / hf:.2f}   goal {goal:6.1f}   "
+              f"ceilings: BLAS matmuls alone {r['blas_ceiling_tok_s']:6.1f}, weight streaming at "
+              f"{r['read_GBps']} GB/s {r['stream_ceiling_tok_s']:6.1f}", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     meta = {"date": str(date.today()), "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
             "torch": torch.__version__, "new_tokens": a.new_tokens, "dtype": "float32"}

@@ -31,6 +31,7 @@ class EngineCore:
         self.steps = 0
         self.idle = False
         self.max_batch_seen = 0  # most requests in one forward pass
+        self.tokens_computed = 0  # prefill + decode tokens through the model, ever
 
     # -- requests -------------------------------------------------------------
     def add(self, request: GenerateRequest, front: bool = False, adapter=None) -> None:
@@ -84,6 +85,7 @@ class EngineCore:
             logits = self.model.forward(inputs, self.kv)
             for seq, n in plan.scheduled:
                 seq.num_computed += n
+                self.tokens_computed += n
             tokens, logprobs = sample(logits, sampled, self.model.cfg.eos_token_ids)
             out += [self._postprocess(s, t, lp) for s, t, lp in zip(sampled, tokens, logprobs)]
             self.steps += 1
@@ -129,4 +131,5 @@ class EngineCore:
             "resident_adapters": [name for name, _ in self.model.lora_pool.resident()] if self.model.lora_pool else [],
             "steps": self.steps,
             "max_batch_seen": self.max_batch_seen,
+            "tokens_computed": self.tokens_computed,
         }
