@@ -27,6 +27,10 @@ class AttentionGroup:
     out_rows: torch.Tensor  # [n] token rows this group produces
     out_index: torch.Tensor  # [n] flat index into [seqs * max_q] for those rows
 
+    def to(self, device) -> "AttentionGroup":
+        return AttentionGroup(*(t.to(device, non_blocking=True) for t in
+                                (self.q_index, self.kv_index, self.mask, self.out_rows, self.out_index)))
+
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """k_cache/v_cache[slot_mapping[t]] = k/v[t], in place.

@@ -75,8 +75,8 @@ def build_step(scheduled: list[tuple[Sequence, int]], pool, block_size: int, dev
         token_ids=to(torch.tensor(token_ids)),
         positions=to(torch.tensor(positions)),
         slot_mapping=to(torch.tensor(slot_mapping)),
-        attention=tuple(AttentionGroup(*(to(t) for t in vars(g).values())) for g in attention),
+        attention=tuple(g.to(device) for g in attention),
         sample_rows=to(torch.tensor(sample_rows, dtype=torch.long)),
-        lora=lora if lora is None else LoraSegments(to(lora.indptr), {m: to(t) for m, t in lora.slot_ids.items()}, lora.host),
+        lora=lora if lora is None else lora.to(device),
     )
     return inputs, sampled

@@ -16,6 +16,10 @@ class LoraSegments:
     slot_ids: dict[str, torch.Tensor]  # module -> [segments] int32
     host: dict[str, tuple]  # module -> ((lo, hi, slot, rank, scale), ...) of segments that use it
 
+    def to(self, device) -> "LoraSegments":
+        slot_ids = {m: t.to(device, non_blocking=True) for m, t in self.slot_ids.items()}
+        return LoraSegments(self.indptr.to(device, non_blocking=True), slot_ids, self.host)
+
 
 @dataclass(frozen=True)
 class StepInputs:
