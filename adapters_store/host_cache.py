@@ -1,8 +1,9 @@
 """Parsed adapters in host memory, LRU by bytes under a budget, keyed by (name, version).
 
-Where CUDA is present the tensors of each adapter are packed into one pinned
-buffer (views into it), so the GPU pool's host→device copies are truly
-asynchronous and one allocation serves a whole adapter. Eviction only drops the
+Where CUDA is present (or a serving dtype other than fp32 is set) the tensors of
+each adapter are packed into one buffer — pinned on CUDA, in the serving dtype,
+laid out as the GPU pool's slots want it (see ``pack``) — so the pool's
+host→device copy is one truly asynchronous transfer. Eviction only drops the
 cache's reference: an adapter still held by a loader stays valid until released.
 """
 from __future__ import annotations
