@@ -20,7 +20,6 @@ from . import launch as _launch
 from . import nvrtc, reference
 
 SHRINK, EXPAND, FUSED = 0, 1, 2
-_THREADS = 128
 _SPLIT = 8  # blocks sharing one work item: split-K in the shrink, split-N in the expand
 # add_lora on sm_90, measured on the H200 (benchmarks/sgmv.py's sweep): clusters of 16
 # while the grid fits one block per SM, of 8 up to ~two blocks per SM (34 items, e.g.
@@ -42,24 +41,28 @@ class _Args(ctypes.Structure):
     _fields_ += [(n, ctypes.c_int) for n in ("nseg", "tokens", "h_in", "h_out", "max_rank", "prefetch", "slots")]
 
 
-def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch: int, split: int = _SPLIT):
-    """(template instantiation, blocks per item, rows per item) for one call shape."""
+def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch: int, split: int = _SPLIT,
+                warps: int = 4):
+    """(template instantiation, blocks per item, rows per item, warps per block) for one call shape."""
     rmax = next((r for r in _RMAX if max_rank <= r), None)
     if rmax is None:
         raise ValueError(f"max_rank {max_rank} > {_RMAX[-1]}")
     mt = 2 if mode == FUSED and tokens >= _BIG_TILE_TOKENS else 1
     if mode != EXPAND and arch < 90:
         split = 1  # split-K sums partials across a cluster: sm_90 only
+    if mode != FUSED or mt != 1 or arch < 90:
+        warps = 4  # 8-warp blocks: decode tiles of the fused cluster kernel only
     cluster = "cluster_" if split > 1 and mode != EXPAND else ""
-    name = f"sgmv_{cluster}kernel<{_CTYPE[dtype]}, {rmax}, {mt}, {split}, {mode}, float>"
-    return name, split, 16 * mt
+    name = f"sgmv_{cluster}kernel<{_CTYPE[dtype]}, {rmax}, {mt}, {split}, {mode}, float, {warps}>"
+    return name, split, 16 * mt, warps
 
 
 def all_kernel_names(arch: int) -> list[str]:
     """Every instantiation the wrappers can ask for on `arch` (CI compiles them all)."""
-    shapes = [(m, dt, r, t, split) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
-              for t in (1, _BIG_TILE_TOKENS) for split in ([s for s, _ in _FUSED_SPLITS] if m == FUSED else (_SPLIT,))]
-    return sorted({kernel_name(m, dt, r, t, arch, split)[0] for m, dt, r, t, split in shapes})
+    shapes = [(m, dt, r, t, split, w) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
+              for t in (1, _BIG_TILE_TOKENS) for split in ([s for s, _ in _FUSED_SPLITS] if m == FUSED else (_SPLIT,))
+              for w in (4, 8)]
+    return sorted({kernel_name(m, dt, r, t, arch, split, w)[0] for m, dt, r, t, split, w in shapes})
 
 
 def _fused_split(items: int, device: int) -> int:
@@ -97,8 +100,8 @@ def _ptr(t, offset=0):
 
 
 def _run(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_ids, ranks, scales=None,
-         y_offset=0, prefetch=None, split=None):
-    """Launch one kernel; prefetch / split None: the measured defaults (forced by the benchmark)."""
+         y_offset=0, prefetch=None, split=None, warps=None):
+    """Launch one kernel; prefetch / split / warps None: the measured defaults (forced by the benchmark)."""
     pool = A if A is not None else B
     dev, arch, nseg, max_rank = pool.device, _arch(pool.device.index), slot_ids.numel(), pool.shape[1]
     if nseg == 0 or tokens == 0:
@@ -109,7 +112,9 @@ def _run(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_i
         split = _fused_split(items, dev.index) if mode == FUSED else _SPLIT
     if prefetch is None:
         prefetch = items * max_rank <= _PREFETCH_ITEM_RANKS
-    name, split, rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split)
+    if warps is None:
+        warps = 4
+    name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps)
     args = _Args(
         x=_ptr(x), y=_ptr(y, y_offset), v=_ptr(v), A=_ptr(A), B=_ptr(B),
         indptr=_ptr(indptr), slot_ids=_ptr(slot_ids), ranks=_ptr(ranks), scales=_ptr(scales),
@@ -124,7 +129,7 @@ def _run(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_i
         max_rank=max_rank, prefetch=int(prefetch), slots=ranks.numel(),
     )
     func = nvrtc.load_function("sgmv.cu", name, dev.index)
-    _launch.launch(func, items * split, _THREADS, args, dev)
+    _launch.launch(func, items * split, 32 * warps, args, dev)
 
 
 def sgmv_shrink(v, x, A, indptr, slot_ids, ranks):
@@ -158,7 +163,8 @@ def sgmv_expand(y, v, B, indptr, slot_ids, ranks, scales, y_offset=0):
     return y
 
 
-def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *, prefetch=None, split=None):
+def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *, prefetch=None, split=None,
+             warps=None):
     """y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T @ B[slot_i, :r_i].
 
     The whole LoRA add-on in one launch: a cluster of 16, 8 or 4 blocks per
@@ -169,7 +175,7 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
     y.stride(0)); x: [tokens, h_in]; A: [slots, max_rank, h_in];
     B: [slots, max_rank, h_out]. v never leaves the chip, so no scratch is
     needed; pass v (float32 [tokens, >= max_rank]) to also receive x @ A.T as
-    sgmv_shrink writes it. prefetch (L2 prefetch on/off) and split (cluster width) override
+    sgmv_shrink writes it. prefetch (L2 prefetch on/off), split (cluster width) and warps (per block) override
     the measured defaults (for the benchmark's sweep and the tests). Returns y.
     """
     if not x.is_cuda:
@@ -179,5 +185,5 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
     _check(x, A, y, v, (indptr, slot_ids, ranks, scales), y_offset)
     _check(x, B, y, None, (), y_offset)
     _run(FUSED, x.shape[0], x=x, y=y, v=v, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks,
-         scales=scales, y_offset=y_offset, prefetch=prefetch, split=split)
+         scales=scales, y_offset=y_offset, prefetch=prefetch, split=split, warps=warps)
     return y

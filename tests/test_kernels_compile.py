@@ -41,7 +41,7 @@ def test_every_kernel_compiles_without_spills(reports):
 
 def test_split_k_clusters_only_on_sm90():
     for arch in ARCHS:
-        name, split, _ = sgmv.kernel_name(sgmv.FUSED, torch.float16, 16, 64, arch)
+        name, split, _, _ = sgmv.kernel_name(sgmv.FUSED, torch.float16, 16, 64, arch)
         assert ("cluster" in name) == (arch >= 90) and split == (8 if arch >= 90 else 1)
 
 

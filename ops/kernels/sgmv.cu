@@ -37,21 +37,19 @@ struct SgmvArgs {
   int nseg, tokens, h_in, h_out, max_rank, prefetch, slots;
 };
 
-constexpr int WARPS = 4;
-constexpr int THREADS = 32 * WARPS;
-
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-template <class T, int RMAX, int MT>
+template <class T, int RMAX, int MT, int W = 4>
 struct Tile {
   static constexpr int M = 16 * MT;                      // rows per item
   static constexpr int NTG = cmin(RMAX / 8, 8 / MT);     // rank n-tiles per shrink pass
   static constexpr int RP = RMAX + 8;                    // padded vh row: no bank conflicts
-  static constexpr int RED_BYTES = WARPS * M * NTG * 8 * 4;  // per-warp partials of one pass
+  static constexpr int RED_BYTES = W * M * NTG * 8 * 4;  // per-warp partials of one pass
   static constexpr int VH_BYTES = M * RP * 2;
   static constexpr int SCRATCH = cmax(RED_BYTES, VH_BYTES);
-  static constexpr int KC = RMAX <= 64 ? RMAX / 16 : 2;  // k16 chunks of B an expand step loads at once (registers)
+  // k16 chunks of B an expand step loads at once, as registers allow
+  static constexpr int KC = RMAX <= (W == 8 ? 32 : 64) ? RMAX / 16 : 2;
 };
 
 // Prefetch rows [0, nrows) x columns [c0, c1) of a row-major matrix into L2, so
@@ -59,7 +57,7 @@ struct Tile {
 template <class T>
 __device__ __forceinline__ void prefetch_rows(const T* base, long long stride, int nrows, int c0, int c1) {
   const int lines = ((c1 - c0) * int(sizeof(T)) + 127) / 128;
-  for (int idx = threadIdx.x; idx < nrows * lines; idx += THREADS) {
+  for (int idx = threadIdx.x; idx < nrows * lines; idx += blockDim.x) {
     const T* row = base + (long long)(idx / lines) * stride + c0;
     prefetch_l2(reinterpret_cast<const char*>(row) + (idx % lines) * 128);
   }
@@ -72,10 +70,10 @@ __device__ __forceinline__ int2 share(int n, int unit, int part, int SPLIT) {
 }
 
 // Shrink partial of this block's k-share: part[m][n] = sum_k x[m][k] * A[n][k].
-template <class T, int RMAX, int MT, int U>
+template <class T, int RMAX, int MT, int W, int U>
 __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& pc, int2 ks,
                                                float (*part)[RMAX], float* red) {
-  using TL = Tile<T, RMAX, MT>;
+  using TL = Tile<T, RMAX, MT, W>;
   constexpr int NTG = TL::NTG, M = TL::M;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
   const int nsteps = (ks.y - ks.x + 31) / 32;
@@ -84,7 +82,7 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
   for (int n0 = 0; n0 < pc.rank; n0 += NTG * 8) {
     float acc[MT][NTG][4] = {};
     // A warp takes U consecutive 64-byte steps of each row: whole 128-byte lines.
-    for (int s0 = w * U; s0 < nsteps; s0 += WARPS * U) {
+    for (int s0 = w * U; s0 < nsteps; s0 += W * U) {
       uint4 xv[U][MT][2], av[U][NTG];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -126,10 +124,10 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
           red[(w * M + row) * NG + col] = acc[mt][nt][c];
         }
     __syncthreads();
-    for (int e = threadIdx.x; e < M * NG; e += THREADS) {
+    for (int e = threadIdx.x; e < M * NG; e += 32 * W) {
       float s = 0.f;
 #pragma unroll
-      for (int ww = 0; ww < WARPS; ++ww) s += red[ww * M * NG + e];
+      for (int ww = 0; ww < W; ++ww) s += red[ww * M * NG + e];
       part[e / NG][n0 + e % NG] = s;
     }
     __syncthreads();
@@ -138,23 +136,21 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
 
 // v tile = sum over the SPLIT blocks' partials (distributed shared memory when
 // SPLIT > 1); lands in vh (activation dtype, MMA operand) and optionally in v.
-template <class T, int RMAX, int MT, int SPLIT, class VT>
+template <class T, int RMAX, int MT, int SPLIT, int W, class VT>
 __device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& pc, int crank,
                                                 float (*part)[RMAX], T (*vh)[Tile<T, RMAX, MT>::RP],
                                                 bool keep_vh) {
   const int rr = (pc.rank + 15) & ~15, quads = rr / 4;
   VT* v = static_cast<VT*>(a.v);
-  for (int e = threadIdx.x; e < Tile<T, RMAX, MT>::M * quads; e += THREADS) {
+  for (int e = threadIdx.x; e < Tile<T, RMAX, MT>::M * quads; e += 32 * W) {
     const int m = e / quads, n = (e % quads) * 4;
-    // Every peer's partial is requested before any is summed: the loads' latencies
-    // overlap instead of adding up (the sum keeps the fixed order c = 0, 1, ...).
-    float4 p[SPLIT];
-#pragma unroll
-    for (int c = 0; c < SPLIT; ++c)
-      p[c] = SPLIT > 1 ? ld_dsmem_f4(dsmem_addr(&part[m][n], c)) : *reinterpret_cast<const float4*>(&part[m][n]);
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int c = 0; c < SPLIT; ++c) s.x += p[c].x, s.y += p[c].y, s.z += p[c].z, s.w += p[c].w;
+    for (int c = 0; c < SPLIT; ++c) {
+      const float4 p = SPLIT > 1 ? ld_dsmem_f4(dsmem_addr(&part[m][n], c))
+                                 : *reinterpret_cast<const float4*>(&part[m][n]);
+      s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
+    }
     const float sv[4] = {s.x, s.y, s.z, s.w};
     if (keep_vh) {
 #pragma unroll
@@ -170,11 +166,11 @@ __device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& 
 }
 
 // Standalone expand: the v tile comes from global memory.
-template <class T, int RMAX, int MT, class VT>
+template <class T, int RMAX, int MT, int W, class VT>
 __device__ __forceinline__ void load_v(const SgmvArgs& a, const Piece& pc, T (*vh)[Tile<T, RMAX, MT>::RP]) {
   const int rr = (pc.rank + 15) & ~15;
   const VT* v = static_cast<const VT*>(a.v) + (long long)pc.start * a.v_stride;
-  for (int e = threadIdx.x; e < Tile<T, RMAX, MT>::M * rr; e += THREADS) {
+  for (int e = threadIdx.x; e < Tile<T, RMAX, MT>::M * rr; e += 32 * W) {
     const int m = e / rr, n = e % rr;
     const float val = m < pc.rows && n < pc.rank ? load_as_float(v + (long long)m * a.v_stride + n) : 0.f;
     vh[m][n] = DType<T>::from_float(val);
@@ -274,18 +270,18 @@ __device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, c
 // y[rows, cs] += scale * vh @ B[slot][:, cs] over this block's column share cs;
 // `cur` holds the loads of the warp's first step, issued before v was ready.
 // PIPE (as registers allow): step s + 1 is loaded before step s is computed.
-template <class T, int RMAX, int MT, bool PIPE>
+template <class T, int RMAX, int MT, int W, bool PIPE>
 __device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, int2 cs,
                                             const T (*vh)[Tile<T, RMAX, MT>::RP],
-                                            StepLoads<MT, Tile<T, RMAX, MT>::KC> cur) {
-  constexpr int KC = Tile<T, RMAX, MT>::KC;
+                                            StepLoads<MT, Tile<T, RMAX, MT, W>::KC> cur) {
+  constexpr int KC = Tile<T, RMAX, MT, W>::KC;
   const int w = threadIdx.x >> 5;
   const int ksteps = (pc.rank + 15) / 16, nsteps = (cs.y - cs.x + 63) / 64;
   const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
-  for (int s = w; s < nsteps; s += WARPS) {
+  for (int s = w; s < nsteps; s += W) {
     const int cb = cs.x + s * 64;
     StepLoads<MT, KC> next;
-    if (PIPE) load_step<T, MT>(next, a, pc, cb + WARPS * 64, cs.y);  // masked off past the share
+    if (PIPE) load_step<T, MT>(next, a, pc, cb + W * 64, cs.y);  // masked off past the share
     float acc[MT][8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < KC; ++kk) {
@@ -301,7 +297,7 @@ __device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, 
     }
     store_step<T, MT>(a, pc, cur, acc, cb, cs.y);
     if (PIPE) cur = next;
-    else load_step<T, MT>(cur, a, pc, cb + WARPS * 64, cs.y);
+    else load_step<T, MT>(cur, a, pc, cb + W * 64, cs.y);
   }
 }
 
@@ -320,9 +316,9 @@ __device__ __forceinline__ void prefetch_piece(const SgmvArgs& a, const Piece& p
   }
 }
 
-template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT>
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
 __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
-  using TL = Tile<T, RMAX, MT>;
+  using TL = Tile<T, RMAX, MT, W>;
   constexpr bool CLUSTER = SPLIT > 1 && MODE != EXPAND;
   __shared__ __align__(16) float part[TL::M][RMAX];
   __shared__ __align__(16) unsigned char scratch[TL::SCRATCH];  // red, later vh
@@ -343,41 +339,43 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   const int2 ks = share(a.h_in, 32, crank, SPLIT), cs = share(a.h_out, 64, crank, SPLIT);
   if (a.prefetch) prefetch_piece<T, MODE>(a, pc, ks, cs);
   if (!adapter_rank(a.ranks, a.scales, a.max_rank, pc)) return;
-  constexpr bool PIPE = MT == 1 && RMAX <= 32;  // as registers allow
+  constexpr bool PIPE = MT == 1 && RMAX <= (W == 8 ? 16 : 32);  // as registers allow
   StepLoads<MT, TL::KC> first;  // the expand's first loads fly while v is summed
   if (MODE == EXPAND) {
     load_step<T, MT>(first, a, pc, cs.x + (threadIdx.x >> 5) * 64, cs.y);
-    load_v<T, RMAX, MT, VT>(a, pc, vh);
+    load_v<T, RMAX, MT, W, VT>(a, pc, vh);
   } else {
     // k-steps in flight per warp: 16-byte loads per lane as the register cap allows
-    constexpr int LOADS = MT == 1 && SPLIT <= 4 ? 32 : 24;
+    constexpr int LOADS = W == 8 ? 16 : MT == 1 && SPLIT <= 4 ? 32 : 24;
     constexpr int U = cmax(1, cmin(8, LOADS / (2 * MT + TL::NTG)));
-    shrink_partial<T, RMAX, MT, U>(a, pc, ks, part, reinterpret_cast<float*>(scratch));
+    shrink_partial<T, RMAX, MT, W, U>(a, pc, ks, part, reinterpret_cast<float*>(scratch));
     if (MODE == FUSED) load_step<T, MT>(first, a, pc, cs.x + (threadIdx.x >> 5) * 64, cs.y);
     if (CLUSTER) cluster_sync();  // every block's partial is visible to the cluster
-    reduce_partials<T, RMAX, MT, SPLIT, VT>(a, pc, crank, part, vh, MODE == FUSED);
+    reduce_partials<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, part, vh, MODE == FUSED);
     if (CLUSTER) cluster_arrive();  // done reading the peers' partials
   }
   if (MODE != SHRINK) {
     __syncthreads();
-    expand_tile<T, RMAX, MT, PIPE>(a, pc, cs, vh, first);
+    expand_tile<T, RMAX, MT, W, PIPE>(a, pc, cs, vh, first);
   }
   if (CLUSTER) cluster_wait();  // peers may still read our partials until here
 }
 
-// Blocks per SM the registers must allow: 3 (ops/sgmv.py sizes decode grids to at
-// most ~2.1 blocks per SM, so no second wave), 2 for 32-row tiles.
-#define MINB (MT == 2 ? 2 : 3)
+// Blocks per SM the registers must allow: 3 for 4-warp blocks (ops/sgmv.py sizes
+// decode grids to at most ~2.1 blocks per SM, so no second wave), 2 for 32-row tiles
+// and for 8-warp blocks (the host gives those at most one block per SM).
+#define MINB (W == 8 || MT == 2 ? 2 : 3)
 
-template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT>
-__global__ void __launch_bounds__(THREADS, MINB) sgmv_kernel(const SgmvArgs a) {
+// W warps per block: 4, or 8 for small decode grids (each warp's share of an item halves).
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
+__global__ void __launch_bounds__(32 * W, MINB) sgmv_kernel(const SgmvArgs a) {
   static_assert(MODE == EXPAND || SPLIT == 1, "split-K needs the cluster kernel");
-  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT>(a);
+  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W>(a);
 }
 
 #if __CUDA_ARCH__ >= 900
-template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT>
-__global__ void __launch_bounds__(THREADS, MINB) __cluster_dims__(SPLIT, 1, 1) sgmv_cluster_kernel(const SgmvArgs a) {
-  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT>(a);
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
+__global__ void __launch_bounds__(32 * W, MINB) __cluster_dims__(SPLIT, 1, 1) sgmv_cluster_kernel(const SgmvArgs a) {
+  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W>(a);
 }
 #endif
