@@ -21,10 +21,12 @@ from . import nvrtc, reference
 
 SHRINK, EXPAND, FUSED = 0, 1, 2
 _SPLIT = 8  # blocks sharing one work item: split-K in the shrink, split-N in the expand
-# add_lora on sm_90, measured on the H200 (benchmarks/sgmv.py's sweep): clusters of 16
-# while the grid fits one block per SM, of 8 up to ~two blocks per SM (34 items, e.g.
-# 32 distinct adapters), else of 4 (also best for prefill).
-_FUSED_SPLITS = ((16, 1.0), (8, 2.1), (4, float("inf")))  # (cluster width, most blocks per SM)
+# add_lora on sm_90, measured on the H200 (benchmarks/sgmv.py's sweep): clusters of 8
+# blocks of 8 warps while the grid fits one block per SM (up to 17 items, e.g. 16
+# distinct adapters), of 8 blocks of 4 warps up to ~two blocks per SM (34 items), else
+# of 4 blocks of 4 warps (also best for prefill). Clusters of 16 never won.
+_FUSED_SHAPES = ((8, 8, 1.05), (8, 4, 2.1), (4, 4, float("inf")))  # (cluster width, warps, most blocks per SM)
+_FORCEABLE_SPLITS, _FORCEABLE_WARPS = (4, 8, 16), (4, 8)
 # L2-prefetch every row a block touches while it still waits on the rank
 # (measured: wins while few blocks run, loses once DRAM is busy).
 _PREFETCH_ITEM_RANKS = 512
@@ -60,14 +62,15 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
 def all_kernel_names(arch: int) -> list[str]:
     """Every instantiation the wrappers can ask for on `arch` (CI compiles them all)."""
     shapes = [(m, dt, r, t, split, w) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
-              for t in (1, _BIG_TILE_TOKENS) for split in ([s for s, _ in _FUSED_SPLITS] if m == FUSED else (_SPLIT,))
-              for w in (4, 8)]
+              for t in (1, _BIG_TILE_TOKENS) for split in (_FORCEABLE_SPLITS if m == FUSED else (_SPLIT,))
+              for w in _FORCEABLE_WARPS]
     return sorted({kernel_name(m, dt, r, t, arch, split, w)[0] for m, dt, r, t, split, w in shapes})
 
 
-def _fused_split(items: int, device: int) -> int:
+def _fused_shape(items: int, device: int) -> tuple[int, int]:
+    """(cluster width, warps per block) of add_lora for a grid of `items` work items."""
     sms = _sm_count(device)
-    return next(s for s, per_sm in _FUSED_SPLITS if items * s <= per_sm * sms)
+    return next((s, w) for s, w, per_sm in _FUSED_SHAPES if items * s <= per_sm * sms)
 
 
 @functools.cache
@@ -108,12 +111,11 @@ def _run(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_i
         return
     rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch)[2]
     items = nseg + (tokens + rows - 1) // rows
-    if split is None:
-        split = _fused_split(items, dev.index) if mode == FUSED else _SPLIT
+    shape = _fused_shape(items, dev.index) if mode == FUSED else (_SPLIT, 4)
+    split = shape[0] if split is None else split
+    warps = shape[1] if warps is None else warps
     if prefetch is None:
         prefetch = items * max_rank <= _PREFETCH_ITEM_RANKS
-    if warps is None:
-        warps = 4
     name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps)
     args = _Args(
         x=_ptr(x), y=_ptr(y, y_offset), v=_ptr(v), A=_ptr(A), B=_ptr(B),
@@ -167,10 +169,10 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
              warps=None):
     """y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T @ B[slot_i, :r_i].
 
-    The whole LoRA add-on in one launch: a cluster of 16, 8 or 4 blocks per
-    work item (the widest that keeps the grid within two blocks per SM) splits
-    h_in for the shrink, sums the partial v in distributed shared memory, then
-    splits h_out for the expand (sm_90; before it, one block per item).
+    The whole LoRA add-on in one launch: a cluster of 8 or 4 blocks (of 8 or 4
+    warps, by grid size: see _FUSED_SHAPES) per work item splits h_in for the
+    shrink, sums the partial v in distributed shared memory, then splits h_out
+    for the expand (sm_90; before it, one block per item).
     y: [tokens, >= y_offset + h_out] fp16/bf16 updated in place (row stride
     y.stride(0)); x: [tokens, h_in]; A: [slots, max_rank, h_in];
     B: [slots, max_rank, h_out]. v never leaves the chip, so no scratch is
