@@ -38,6 +38,7 @@ RESULT = pathlib.Path(__file__).parent / "results" / "sgmv_h200.json"
 
 
 def request_adapters(workload, batch, rng):
+    """Adapter index of every request (one row each) under Punica's four popularity laws."""
     if workload == "distinct":
         return np.arange(batch)
     if workload == "uniform":

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.sgmv import request_adapters  # Punica's four workloads, as benchmarked
 from ops import sgmv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -24,18 +25,6 @@ MIXED = (1, 7, 8, 13, 16, 32, 50, 64, 100, 128)
 SLOTS = 512
 TOL = 1e-2
 PAD = 8  # y is wider than h_out: columns [PAD, PAD + h_out) are the slice
-
-
-def request_adapters(workload, batch, rng):
-    """Adapter index of every request (one row each), Punica's four popularity laws."""
-    if workload == "distinct":
-        return np.arange(batch)
-    if workload == "uniform":
-        return rng.integers(0, math.ceil(math.sqrt(batch)), batch)
-    if workload == "skewed":
-        p = 1.0 / np.arange(1, batch + 1) ** 1.5
-        return rng.choice(batch, batch, p=p / p.sum())
-    return np.zeros(batch, dtype=np.int64)
 
 
 def make_segments(workload, batch, rng):
