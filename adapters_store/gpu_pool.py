@@ -66,8 +66,8 @@ class LoraPool:
         self.evictions = 0
         cuda = torch.device(config.device).type == "cuda"
         self._copy_stream = torch.cuda.Stream(config.device) if cuda else None
-        # a load's transfer is issued at once; its few dozen scatter launches come from this
-        # thread, so they don't lengthen the engine step that admits the request
+        # loads are issued from their own thread: issuing one (a few dozen launches) would
+        # otherwise lengthen the engine step that admits its request
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="lora-h2d") if cuda else None
         self._pending: dict[int, tuple[Future, float, int]] = {}  # slot -> (copy, start time, bytes)
 
@@ -132,17 +132,14 @@ class LoraPool:
             return
         slot_free = torch.cuda.Event()  # the slot may still be read by steps queued before now
         slot_free.record(torch.cuda.current_stream(self.config.device))
-        with torch.cuda.stream(self._copy_stream):  # the transfer starts now, whatever the copier thread does
-            staging = weights.buffer.to(self.config.device, non_blocking=True)
-        copy = self._copier.submit(self._scatter, slot, weights, staging, slot_free)
-        self._pending[slot] = (copy, start, weights.nbytes)
+        self._pending[slot] = (self._copier.submit(self._copy, slot, weights, slot_free), start, weights.nbytes)
 
-    def _scatter(self, slot: int, weights: LoraWeights, staging: torch.Tensor, slot_free: torch.cuda.Event):
-        """On the copier thread, behind the transfer on the copy stream: the per-matrix copies
-        into the slot. Returns (done event, staging buffer to keep alive until done)."""
-        on_device = lambda t: staging.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731
+    def _copy(self, slot: int, weights: LoraWeights, slot_free: torch.cuda.Event):
+        """On the copier thread: (done event, staging buffer to keep alive until done)."""
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(slot_free)
+            staging = weights.buffer.to(self.config.device, non_blocking=True)  # the one host→device copy
+            on_device = lambda t: staging.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731
             self._fill(slot, {m: ModuleStack(st.layers, on_device(st.A), on_device(st.Bt))
                               for m, st in weights.stacks.items()}, weights.manifest.rank, weights.manifest.scale)
             done = torch.cuda.Event()
