@@ -1,5 +1,15 @@
 """The LoRA add-on, dispatched by device: SGMV CUDA kernels on GPU, the fp32 reference elsewhere."""
+import torch
+
 from ops.reference import lora_ref
+
+
+def prepare(dtype, max_rank: int, device) -> None:
+    """Ready the kernels add_lora will run for a pool like this (CUDA: compiled and loaded now)."""
+    if torch.device(device).type == "cuda":
+        from ops.sgmv import warm_up
+
+        warm_up(dtype, max_rank, device)
 
 
 def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, host_segments=None):

@@ -84,6 +84,17 @@ def _arch(device_index: int) -> int:
     return 10 * major + minor
 
 
+def warm_up(dtype: torch.dtype, max_rank: int, device) -> None:
+    """Compile (or read from the disk cache) and load every fused kernel the defaults can
+    pick for a pool of this dtype and max rank, so that no step stalls on a first use."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    for tokens in (1, _BIG_TILE_TOKENS):
+        for split, warps, _ in _FUSED_SHAPES:
+            name = kernel_name(FUSED, dtype, max_rank, tokens, _arch(index), split, warps)[0]
+            nvrtc.load_function("sgmv.cu", name, index)
+
+
 def _check(x, pool, y, v, segs, y_offset=0):
     if pool.dtype not in (torch.float16, torch.bfloat16) or x.dtype != pool.dtype or y.dtype != pool.dtype:
         raise TypeError(f"x, pool and y must share fp16/bf16, got {x.dtype}, {pool.dtype}, {y.dtype}")

@@ -13,6 +13,7 @@ from app.engine.scheduler import Scheduler, blocks_for
 from app.engine.sequence import Sequence
 from app.errors import ContextLengthError, InvalidRequestError
 from app.protocol import Chunk, GenerateRequest, Migrate, TokenChunk
+from ops.lora import prepare as prepare_lora_kernels
 
 
 class EngineCore:
@@ -26,6 +27,9 @@ class EngineCore:
         self.allocator = BlockAllocator(config.num_kv_blocks)
         self.kv = allocate_kv(c.num_layers, config.num_kv_blocks, config.block_size, c.num_kv_heads, c.head_dim, config.dtype, config.device)
         self.scheduler = Scheduler(config, self.allocator, model.lora_pool)
+        if model.lora_pool is not None:  # a first-use kernel compile would stall a step mid-serving
+            pool = model.lora_pool.config
+            prepare_lora_kernels(pool.dtype, pool.max_rank, pool.device)
         self._arrivals = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.steps = 0
