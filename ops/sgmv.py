@@ -84,15 +84,19 @@ def _arch(device_index: int) -> int:
     return 10 * major + minor
 
 
+def fused_kernel_names(dtype: torch.dtype, max_rank: int, arch: int) -> list[str]:
+    """Every fused kernel the defaults can pick for a pool of this dtype and max rank."""
+    return sorted({kernel_name(FUSED, dtype, max_rank, tokens, arch, split, warps)[0]
+                   for tokens in (1, _BIG_TILE_TOKENS) for split, warps, _ in _FUSED_SHAPES})
+
+
 def warm_up(dtype: torch.dtype, max_rank: int, device) -> None:
-    """Compile (or read from the disk cache) and load every fused kernel the defaults can
-    pick for a pool of this dtype and max rank, so that no step stalls on a first use."""
+    """Compile (or read from the disk cache) and load those kernels now, so that no step
+    stalls on a first use."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
-    for tokens in (1, _BIG_TILE_TOKENS):
-        for split, warps, _ in _FUSED_SHAPES:
-            name = kernel_name(FUSED, dtype, max_rank, tokens, _arch(index), split, warps)[0]
-            nvrtc.load_function("sgmv.cu", name, index)
+    for name in fused_kernel_names(dtype, max_rank, _arch(index)):
+        nvrtc.load_function("sgmv.cu", name, index)
 
 
 def _check(x, pool, y, v, segs, y_offset=0):

@@ -39,6 +39,15 @@ def test_every_kernel_compiles_without_spills(reports):
         assert spills and spills.group(1) == "0", f"sm_{arch} {name} spills:\n{log}"
 
 
+def test_the_engine_warm_up_asks_only_for_kernels_ci_compiles():
+    for arch in ARCHS:
+        every = set(sgmv.all_kernel_names(arch))
+        for dtype in (torch.float16, torch.bfloat16):
+            for max_rank in (1, 16, 33, 64, 128):
+                names = sgmv.fused_kernel_names(dtype, max_rank, arch)
+                assert names and set(names) <= every, (arch, dtype, max_rank)
+
+
 def test_split_k_clusters_only_on_sm90():
     for arch in ARCHS:
         name, split, _, _ = sgmv.kernel_name(sgmv.FUSED, torch.float16, 16, 64, arch)
