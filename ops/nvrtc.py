@@ -140,12 +140,13 @@ def _drv(result, what):
 
 
 @functools.cache
-def load_function(source: str, name_expr: str, device: int) -> driver.CUfunction:
-    """The kernel as a CUfunction in `device`'s primary context (torch's context)."""
+def load_function(source: str, name_expr: str, device: int, extra: tuple[str, ...] = ()) -> driver.CUfunction:
+    """The kernel as a CUfunction in `device`'s primary context (torch's context);
+    `extra`: more NVRTC options (e.g. a -D for an instrumented build)."""
     import torch
 
     major, minor = torch.cuda.get_device_capability(device)
-    cubin, lowered = compile_kernel(source, name_expr, 10 * major + minor)
+    cubin, lowered = compile_kernel(source, name_expr, 10 * major + minor, extra)
     ctx = _drv(driver.cuDevicePrimaryCtxRetain(_drv(driver.cuDeviceGet(device), "device")), "context")
     _drv(driver.cuCtxPushCurrent(ctx), "push context")
     try:

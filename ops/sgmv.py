@@ -117,13 +117,15 @@ def _ptr(t, offset=0):
     return None if t is None else t.data_ptr() + offset * t.element_size()
 
 
-def _run(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_ids, ranks, scales=None,
-         y_offset=0, prefetch=None, split=None, warps=None):
-    """Launch one kernel; prefetch / split / warps None: the measured defaults (forced by the benchmark)."""
+def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_ids, ranks, scales=None,
+                y_offset=0, prefetch=None, split=None, warps=None):
+    """(kernel name, blocks, threads per block, arguments) of one call, or None when there is
+    nothing to do; prefetch / split / warps None: the measured defaults (forced by the
+    benchmark and the tests)."""
     pool = A if A is not None else B
     dev, arch, nseg, max_rank = pool.device, _arch(pool.device.index), slot_ids.numel(), pool.shape[1]
     if nseg == 0 or tokens == 0:
-        return
+        return None
     rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch)[2]
     items = nseg + (tokens + rows - 1) // rows
     shape = _fused_shape(items, dev.index) if mode == FUSED else (_SPLIT, 4)
@@ -145,8 +147,15 @@ def _run(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_i
         h_out=0 if B is None else B.shape[2],
         max_rank=max_rank, prefetch=int(prefetch), slots=ranks.numel(),
     )
-    func = nvrtc.load_function("sgmv.cu", name, dev.index)
-    _launch.launch(func, items * split, 32 * warps, args, dev)
+    return name, items * split, 32 * warps, args
+
+
+def _run(mode, tokens, **kwargs):
+    plan = launch_plan(mode, tokens, **kwargs)
+    if plan is not None:
+        name, blocks, threads, args = plan
+        device = (kwargs["A"] if kwargs.get("A") is not None else kwargs["B"]).device
+        _launch.launch(nvrtc.load_function("sgmv.cu", name, device.index), blocks, threads, args, device)
 
 
 def sgmv_shrink(v, x, A, indptr, slot_ids, ranks):
@@ -192,8 +201,9 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
     y.stride(0)); x: [tokens, h_in]; A: [slots, max_rank, h_in];
     B: [slots, max_rank, h_out]. v never leaves the chip, so no scratch is
     needed; pass v (float32 [tokens, >= max_rank]) to also receive x @ A.T as
-    sgmv_shrink writes it. prefetch (L2 prefetch on/off), split (cluster width) and warps (per block) override
-    the measured defaults (for the benchmark's sweep and the tests). Returns y.
+    sgmv_shrink writes it. prefetch (L2 prefetch on/off), split (cluster width)
+    and warps (per block) override the measured defaults (for the benchmark's
+    sweep and the tests). Returns y.
     """
     if not x.is_cuda:
         if v is not None:

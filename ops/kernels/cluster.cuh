@@ -3,15 +3,17 @@
 
 // Split barrier: arrive releases this block's shared-memory writes to the
 // cluster, wait acquires everyone else's. Every thread of every block calls both.
+// The release waits for all the thread's earlier memory accesses, loads in flight too.
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
+// Arrive without the release: for "done reading the peers", whose reads are complete
+// once their values were used, so nothing needs to drain.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_sync() {
-  cluster_arrive();
-  cluster_wait();
 }
 
 // Address of `p` (this block's shared memory) in block `rank` of the cluster.

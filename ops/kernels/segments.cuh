@@ -42,18 +42,58 @@ __device__ __forceinline__ int merge_corank(const int* indptr, int nseg, int nbl
   return lo;
 }
 
-// Every warp calls this (all lanes); false means the item has nothing to do.
-// Fills start, rows and slot; rank and scale come from adapter_rank, one
-// dependent load later, so the caller can start prefetching in between.
-__device__ __forceinline__ bool find_piece(const int* indptr, const int* slot_ids, int nseg, int tokens,
-                                           int M, int item, Piece& pc) {
-  const int nblk = (tokens + M - 1) / M;
-  const int i = merge_corank(indptr, nseg, nblk, M, item + 1);
+// The first kStaged segments' slot ids and pool slots' ranks and scales, staged in
+// shared memory: their loads are issued at entry, beside the segment search's, so the
+// lookups that depend on its answer (slot, then rank and scale) read shared memory
+// instead of paying two more DRAM round trips. Larger indices read global memory.
+constexpr int kStaged = 512;
+
+struct IndexStage {
+  int slot[kStaged];
+  int rank[kStaged];
+  float scale[kStaged];
+};
+
+template <int THREADS>
+struct StagedLoads {
+  static constexpr int N = kStaged / THREADS;  // entries per thread and array
+  int slot[N], rank[N];
+  float scale[N];
+
+  __device__ __forceinline__ void issue(const int* slot_ids, int nseg, const int* ranks, const float* scales,
+                                        int slots) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      slot[j] = i < nseg ? __ldg(slot_ids + i) : -1;
+      rank[j] = i < slots ? __ldg(ranks + i) : 0;
+      scale[j] = scales && i < slots ? __ldg(scales + i) : 0.f;
+    }
+  }
+  // Every thread, then a __syncthreads before the first lookup.
+  __device__ __forceinline__ void store(IndexStage& st) const {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int i = threadIdx.x + j * THREADS;
+      st.slot[i] = slot[j], st.rank[i] = rank[j], st.scale[i] = scale[j];
+    }
+  }
+};
+
+// Segments before `item`'s end: one past the index of the segment it belongs to.
+__device__ __forceinline__ int find_segment(const int* indptr, int nseg, int tokens, int M, int item) {
+  return merge_corank(indptr, nseg, (tokens + M - 1) / M, M, item + 1);
+}
+
+// Every warp calls this (all lanes), with i = find_segment(...); false means the item
+// has nothing to do. Fills start, rows and slot; rank and scale come from adapter_rank.
+__device__ __forceinline__ bool find_piece(const int* indptr, const int* slot_ids, const IndexStage& st, int M,
+                                           int item, int i, Piece& pc) {
   const int j = item + 1 - i;
-  // Issue the three loads together: each is a DRAM round trip after an L2 flush.
+  // indptr's lines are in L1 since the search; the slot id is staged (or one load).
   const int seg = max(i - 1, 0);
   const int seg_start = __ldg(indptr + seg), seg_end = __ldg(indptr + seg + 1);
-  const int slot = __ldg(slot_ids + seg);
+  const int slot = seg < kStaged ? st.slot[seg] : __ldg(slot_ids + seg);
   if (i == 0 || slot < 0) return false;  // rows before the first segment / no adapter
   const bool from_block = j > 0 && (j - 1) * M >= seg_start;
   if (from_block && (j - 1) * M == seg_start) return false;  // the segment's own item has it
@@ -63,8 +103,10 @@ __device__ __forceinline__ bool find_piece(const int* indptr, const int* slot_id
   return end > start;
 }
 
-__device__ __forceinline__ bool adapter_rank(const int* ranks, const float* scales, int max_rank, Piece& pc) {
-  pc.rank = min(__ldg(ranks + pc.slot), max_rank);
-  pc.scale = scales ? __ldg(scales + pc.slot) : 0.f;  // the shrink has no scales
+__device__ __forceinline__ bool adapter_rank(const int* ranks, const float* scales, const IndexStage& st,
+                                             int max_rank, Piece& pc) {
+  const bool staged = pc.slot < kStaged;
+  pc.rank = min(staged ? st.rank[pc.slot] : __ldg(ranks + pc.slot), max_rank);
+  pc.scale = !scales ? 0.f : staged ? st.scale[pc.slot] : __ldg(scales + pc.slot);  // the shrink has no scales
   return pc.rank > 0;
 }

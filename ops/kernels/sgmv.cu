@@ -22,6 +22,24 @@
 
 enum Mode { SHRINK = 0, EXPAND = 1, FUSED = 2 };
 
+#ifdef SGMV_TRACE
+// benchmarks/sgmv_trace.py only: per block, the global time (ns) at entry and at the
+// end, and the SM clock cycles since entry at each phase boundary warp 0 passes.
+__device__ long long sgmv_trace[4096][10];
+__device__ __forceinline__ long long global_ns() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define TRACE_START const long long trace_c0 = clock64(); if (threadIdx.x == 0) sgmv_trace[blockIdx.x][0] = global_ns();
+#define TRACE(i) if (threadIdx.x == 0) sgmv_trace[blockIdx.x][i] = clock64() - trace_c0;
+#define TRACE_END if (threadIdx.x == 0) sgmv_trace[blockIdx.x][9] = global_ns();
+#else
+#define TRACE_START
+#define TRACE(i)
+#define TRACE_END
+#endif
+
 struct SgmvArgs {
   const void* x;
   void* y;  // already offset to the first output column
@@ -50,6 +68,7 @@ struct Tile {
   static constexpr int SCRATCH = cmax(RED_BYTES, VH_BYTES);
   // k16 chunks of B an expand step loads at once, as registers allow
   static constexpr int KC = RMAX <= (W == 8 ? 32 : 64) ? RMAX / 16 : 2;
+  static constexpr int STEP_LOADS = 4 * MT + 4 * KC;  // 16-byte loads per lane of one expand step
 };
 
 // Prefetch rows [0, nrows) x columns [c0, c1) of a row-major matrix into L2, so
@@ -124,7 +143,7 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
           red[(w * M + row) * NG + col] = acc[mt][nt][c];
         }
     __syncthreads();
-    for (int e = threadIdx.x; e < M * NG; e += 32 * W) {
+    for (int e = threadIdx.x; e < pc.rows * NG; e += 32 * W) {
       float s = 0.f;
 #pragma unroll
       for (int ww = 0; ww < W; ++ww) s += red[ww * M * NG + e];
@@ -142,7 +161,9 @@ __device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& 
                                                 bool keep_vh) {
   const int rr = (pc.rank + 15) & ~15, quads = rr / 4;
   VT* v = static_cast<VT*>(a.v);
-  for (int e = threadIdx.x; e < Tile<T, RMAX, MT>::M * quads; e += 32 * W) {
+  // Rows past the piece are left as they are: an MMA row only feeds its own output row,
+  // and those are never stored (Distinct: 1 row in 16, so 1/16 of the remote reads).
+  for (int e = threadIdx.x; e < pc.rows * quads; e += 32 * W) {
     const int m = e / quads, n = (e % quads) * 4;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -156,7 +177,7 @@ __device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& 
 #pragma unroll
       for (int i = 0; i < 4; ++i) vh[m][n + i] = DType<T>::from_float(sv[i]);
     }
-    if (v != nullptr && m < pc.rows && e % SPLIT == crank) {
+    if (v != nullptr && e % SPLIT == crank) {
       VT* out = v + (long long)(pc.start + m) * a.v_stride + n;
 #pragma unroll
       for (int i = 0; i < 4; ++i)
@@ -196,8 +217,8 @@ __device__ __forceinline__ void load_b_k16(uint4 (&br)[4], const T* B, int h_out
   }
 }
 
-template <class T, int MT, int KC>
-__device__ __forceinline__ void load_step(StepLoads<MT, KC>& st, const SgmvArgs& a, const Piece& pc, int cb, int cend) {
+template <class T, int MT>
+__device__ __forceinline__ void load_y(uint4 (&yv)[MT][2][2], const SgmvArgs& a, const Piece& pc, int cb, int cend) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const T* y = static_cast<const T*>(a.y) + (long long)pc.start * a.y_stride;
 #pragma unroll
@@ -207,8 +228,13 @@ __device__ __forceinline__ void load_step(StepLoads<MT, KC>& st, const SgmvArgs&
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
-        st.y[mt][h][hf] = ldg16(y + (long long)row * a.y_stride + col, row < pc.rows && col < cend);
+        yv[mt][h][hf] = ldg16(y + (long long)row * a.y_stride + col, row < pc.rows && col < cend);
       }
+}
+
+template <class T, int MT, int KC>
+__device__ __forceinline__ void load_step(StepLoads<MT, KC>& st, const SgmvArgs& a, const Piece& pc, int cb, int cend) {
+  load_y<T, MT>(st.y, a, pc, cb, cend);
   const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
 #pragma unroll
   for (int kk = 0; kk < KC; ++kk) load_b_k16(st.b[kk], B, a.h_out, pc.rank, kk, cb, cend);  // masked past the rank
@@ -241,8 +267,8 @@ __device__ __forceinline__ void mma_k16(float (&acc)[MT][8][4], const uint4 (&br
 }
 
 // y = y + scale * acc, rounded once; each lane owns 16 consecutive columns of two rows.
-template <class T, int MT, int KC>
-__device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, const StepLoads<MT, KC>& st,
+template <class T, int MT>
+__device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, const uint4 (&yv)[MT][2][2],
                                            const float (&acc)[MT][8][4], int cb, int cend) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   T* y = static_cast<T*>(a.y) + (long long)pc.start * a.y_stride;
@@ -254,7 +280,7 @@ __device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, c
       for (int hf = 0; hf < 2; ++hf) {
         const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
         if (row >= pc.rows || col >= cend) continue;
-        const unsigned* old = &st.y[mt][h][hf].x;
+        const unsigned* old = &yv[mt][h][hf].x;
         uint4 out;
         unsigned* o = &out.x;
 #pragma unroll
@@ -295,7 +321,7 @@ __device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, 
       load_b_k16(br, B, a.h_out, pc.rank, kk, cb, cs.y);
       mma_k16<T, RMAX, MT>(acc, br, vh, kk);
     }
-    store_step<T, MT>(a, pc, cur, acc, cb, cs.y);
+    store_step<T, MT>(a, pc, cur.y, acc, cb, cs.y);
     if (PIPE) cur = next;
     else load_step<T, MT>(cur, a, pc, cb + W * 64, cs.y);
   }
@@ -324,46 +350,63 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   __shared__ __align__(16) unsigned char scratch[TL::SCRATCH];  // red, later vh
   auto vh = reinterpret_cast<T(*)[TL::RP]>(scratch);
 
+  __shared__ IndexStage index;
+
+  TRACE_START
   const int crank = blockIdx.x % SPLIT;
-  if (threadIdx.x < 32) {
-    // The small index arrays into L1 while the segment search's loads are in flight, so
-    // the lookups that depend on its answer (slot, then rank and scale) hit instead of
-    // paying a DRAM round trip each: 32 lines each, 1024 segments and slots.
-    const int i = threadIdx.x * 32;
-    if (i < a.nseg) prefetch_l1(a.slot_ids + i);
-    if (i < a.slots) prefetch_l1(a.ranks + i);
-    if (i < a.slots && a.scales) prefetch_l1(a.scales + i);
-  }
+  StagedLoads<32 * W> staged;  // in flight during the segment search
+  staged.issue(a.slot_ids, a.nseg, a.ranks, a.scales, a.slots);
+  const int segs_before = find_segment(a.indptr, a.nseg, a.tokens, TL::M, blockIdx.x / SPLIT);
+  staged.store(index);
+  __syncthreads();
   Piece pc;  // the whole cluster finds the same item, so it returns together
-  if (!find_piece(a.indptr, a.slot_ids, a.nseg, a.tokens, TL::M, blockIdx.x / SPLIT, pc)) return;
+  if (!find_piece(a.indptr, a.slot_ids, index, TL::M, blockIdx.x / SPLIT, segs_before, pc)) return;
+  TRACE(1)
   const int2 ks = share(a.h_in, 32, crank, SPLIT), cs = share(a.h_out, 64, crank, SPLIT);
   if (a.prefetch) prefetch_piece<T, MODE>(a, pc, ks, cs);
-  if (!adapter_rank(a.ranks, a.scales, a.max_rank, pc)) return;
+  if (!adapter_rank(a.ranks, a.scales, index, a.max_rank, pc)) return;
+  TRACE(2)
   constexpr bool PIPE = MT == 1 && RMAX <= (W == 8 ? 16 : 32);  // as registers allow
-  StepLoads<MT, TL::KC> first;  // the expand's first loads fly while v is summed
+  // 16-byte loads in flight per lane, as the register cap allows
+  constexpr int BUDGET = W == 8 ? 16 : MT == 1 && SPLIT <= 4 ? 32 : 24;
+  // Decode tiles, where registers allow: the expand's first loads (B does not depend on v)
+  // fly with the shrink's. (Streaming all of B beside A through shared memory was slower:
+  // benchmarks/results/trace_runs.)
+  constexpr bool EARLY = MODE == EXPAND || (MODE == FUSED && MT == 1 && 2 * TL::STEP_LOADS <= BUDGET);
+  StepLoads<MT, TL::KC> first;
+  const int first_col = cs.x + (threadIdx.x >> 5) * 64;
+  if (EARLY) load_step<T, MT>(first, a, pc, first_col, cs.y);
   if (MODE == EXPAND) {
-    load_step<T, MT>(first, a, pc, cs.x + (threadIdx.x >> 5) * 64, cs.y);
     load_v<T, RMAX, MT, W, VT>(a, pc, vh);
   } else {
-    // k-steps in flight per warp: 16-byte loads per lane as the register cap allows
-    constexpr int LOADS = W == 8 ? 16 : MT == 1 && SPLIT <= 4 ? 32 : 24;
+    constexpr int LOADS = BUDGET - (EARLY ? TL::STEP_LOADS : 0);
     constexpr int U = cmax(1, cmin(8, LOADS / (2 * MT + TL::NTG)));
     shrink_partial<T, RMAX, MT, W, U>(a, pc, ks, part, reinterpret_cast<float*>(scratch));
-    if (MODE == FUSED) load_step<T, MT>(first, a, pc, cs.x + (threadIdx.x >> 5) * 64, cs.y);
-    if (CLUSTER) cluster_sync();  // every block's partial is visible to the cluster
+    TRACE(3)
+    // The arrive's release waits for every earlier access of the thread, loads included:
+    // the expand's loads are issued after it, so they fly while the cluster gathers.
+    if (CLUSTER) cluster_arrive();  // this block's partial is released to the cluster
+    if (MODE == FUSED && !EARLY) load_step<T, MT>(first, a, pc, first_col, cs.y);
+    if (CLUSTER) cluster_wait();  // every block's partial is visible
+    TRACE(4)
     reduce_partials<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, part, vh, MODE == FUSED);
-    if (CLUSTER) cluster_arrive();  // done reading the peers' partials
+    if (CLUSTER) cluster_arrive_relaxed();  // done reading the peers' partials
+    TRACE(5)
   }
   if (MODE != SHRINK) {
     __syncthreads();
+    TRACE(6)
     expand_tile<T, RMAX, MT, W, PIPE>(a, pc, cs, vh, first);
+    TRACE(7)
   }
   if (CLUSTER) cluster_wait();  // peers may still read our partials until here
+  TRACE(8)
+  TRACE_END
 }
 
 // Blocks per SM the registers must allow: 3 for 4-warp blocks (ops/sgmv.py sizes
 // decode grids to at most ~2.1 blocks per SM, so no second wave), 2 for 32-row tiles
-// and for 8-warp blocks (the host gives those at most one block per SM).
+// and for 8-warp blocks (up to 1.05 per SM: one cluster of 8 may share an SM's neighbours).
 #define MINB (W == 8 || MT == 2 ? 2 : 3)
 
 // W warps per block: 4, or 8 for small decode grids (each warp's share of an item halves).

@@ -1,0 +1,111 @@
+"""Where a fused SGMV add-on spends its time, phase by phase (device only).
+
+    python benchmarks/sgmv_trace.py [--out benchmarks/results/sgmv_trace_h200.json] [--define NAME ...]
+
+Runs add_lora's kernel built with -DSGMV_TRACE (kernels/sgmv.cu): warp 0 of every
+block stamps the SM clock at each phase boundary, and the global timer at entry
+and exit. Each configuration is launched REPS times behind the benchmark's L2
+flush; per phase the table gives the median over launches of the median and the
+slowest block's µs since that block's entry, plus how late the last block starts
+after the first and the kernel's span (first entry to last exit). graph_us is the
+uninstrumented kernel timed as benchmarks/sgmv.py times it; --define builds both
+with -DNAME (to compare variants of the kernel in one run).
+"""
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+import torch
+from cuda.bindings import driver
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.sgmv import H, POOL, Case, time_graph  # noqa: E402
+from ops import launch, nvrtc, sgmv  # noqa: E402
+
+CONFIGS = [(16, 1), (16, 16), (16, 32), (16, 64), (32, 16), (32, 32), (64, 16), (64, 32)]  # (rank, batch), Distinct
+PHASES = ("item found", "rank known", "shrink partial", "cluster sync", "v reduced", "expand start",
+          "expand done", "cluster exit")
+REPS = 30
+RESULT = pathlib.Path(__file__).parent / "results" / "sgmv_trace_h200.json"
+
+
+def _drv(result):
+    err, *rest = result
+    assert err == driver.CUresult.CUDA_SUCCESS, driver.cuGetErrorString(err)[1]
+    return rest[0] if len(rest) == 1 else rest
+
+
+def plan(case, force):
+    return sgmv.launch_plan(sgmv.FUSED, case.batch, x=case.x, y=case.y, A=case.A, B=case.B, indptr=case.indptr,
+                            slot_ids=case.slot_ids, ranks=case.ranks, scales=case.scales, **force)
+
+
+def trace_once(case, force, func, buf, nbytes, flush):
+    """Per block: [entry ns, cycles at each phase (0: not reached), exit ns] of one launch."""
+    _, blocks, threads, args = plan(case, force)
+    assert blocks <= 4096, "sgmv_trace holds 4096 blocks"
+    _drv(driver.cuMemsetD8(buf, 0, nbytes))
+    flush.zero_()
+    launch.launch(func, blocks, threads, args, case.x.device)
+    torch.cuda.synchronize()
+    host = np.zeros((4096, 10), dtype=np.int64)
+    _drv(driver.cuMemcpyDtoH(host.ctypes.data, buf, nbytes))
+    return host[:blocks]
+
+
+def summarize(traces, mhz):
+    """Medians over launches of: start skew, span, and each phase's median / slowest block (µs)."""
+    out = dict(start_skew_us=[], span_us=[], **{p: [] for p in PHASES}, **{p + " (slowest)": [] for p in PHASES})
+    for t in traces:
+        live = t[t[:, 9] > 0]  # blocks that did the whole add-on
+        out["start_skew_us"].append((t[:, 0].max() - t[:, 0].min()) / 1e3)
+        out["span_us"].append((t[:, 9].max() - t[:, 0].min()) / 1e3)
+        for i, p in enumerate(PHASES, start=1):
+            reached = live[:, i][live[:, i] > 0] / mhz
+            out[p].append(float(np.median(reached)) if reached.size else math.nan)
+            out[p + " (slowest)"].append(float(reached.max()) if reached.size else math.nan)
+    return {k: float(np.median(v)) for k, v in out.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, default=RESULT)
+    ap.add_argument("--define", action="append", default=[], help="build the kernel with -DNAME")
+    ap.add_argument("--no-prefetch", action="store_true", help="no L2 prefetch, whatever the grid")
+    args = ap.parse_args()
+    defines = tuple(f"-D{d}" for d in args.define)
+    force = {"prefetch": False} if args.no_prefetch else {}
+    rng = np.random.default_rng(0)
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    mhz = torch.cuda.clock_rate()  # current SM clock, MHz (cycles per µs)
+    rows = []
+    for rank, batch in CONFIGS:
+        pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
+                torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
+        case = Case(rank, "distinct", batch, rng, pool)
+        name, blocks, threads, kargs = plan(case, force)
+        dev = case.x.device
+        plain = nvrtc.load_function("sgmv.cu", name, dev.index, defines)
+        graph_us = time_graph(lambda: launch.launch(plain, blocks, threads, kargs, dev), flush)
+        func = nvrtc.load_function("sgmv.cu", name, dev.index, (*defines, "-DSGMV_TRACE"))
+        buf, nbytes = _drv(driver.cuModuleGetGlobal(_drv(driver.cuFuncGetModule(func)), b"sgmv_trace"))
+        traces = [trace_once(case, force, func, buf, nbytes, flush) for _ in range(REPS + 3)][3:]
+        rows.append(dict(rank=rank, batch=batch, kernel=name, defines=args.define, forced=force, blocks=blocks,
+                         sm_mhz=mhz,
+                         graph_us=graph_us, **summarize(traces, mhz)))
+        del pool
+    args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
+    print("defines:", args.define, "forced:", force)
+    cols = ("graph_us", "start_skew_us", "span_us", *PHASES)
+    print(f"{'r':>3} {'B':>3} {'blocks':>6} " + " ".join(f"{c[:12]:>12}" for c in cols))
+    for r in rows:
+        print(f"{r['rank']:>3} {r['batch']:>3} {r['blocks']:>6} "
+              + " ".join(f"{r[c]:12.2f}" for c in cols))
+        print(" " * 14 + "slowest " + " " * 31 + " ".join(f"{r[p + ' (slowest)']:12.2f}" for p in PHASES))
+
+
+if __name__ == "__main__":
+    main()
