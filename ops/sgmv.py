@@ -21,11 +21,12 @@ from . import nvrtc, reference
 
 SHRINK, EXPAND, FUSED = 0, 1, 2
 _SPLIT = 8  # blocks sharing one work item: split-K in the shrink, split-N in the expand
-# add_lora on sm_90, measured on the H200 (benchmarks/sgmv.py's sweep): clusters of 8
-# blocks of 8 warps while the grid fits one block per SM (up to 17 items, e.g. 16
-# distinct adapters), of 8 blocks of 4 warps up to ~two blocks per SM (34 items), else
-# of 4 blocks of 4 warps (also best for prefill). Clusters of 16 never won.
-_FUSED_SHAPES = ((8, 8, 1.05), (8, 4, 2.1), (4, 4, float("inf")))  # (cluster width, warps, most blocks per SM)
+# add_lora on sm_90, measured on the H200 (benchmarks/sgmv.py's sweep, 2026-12-01):
+# blocks of 4 warps, in clusters of 16 while the grid fits ~two blocks per SM at that
+# width (up to 17 items, e.g. 16 distinct adapters), of 8 while it fits at 8 (34 items),
+# else of 4 (also best for prefill). 8-warp blocks, best before the index arrays were
+# staged in shared memory, now tie or lose.
+_FUSED_SHAPES = ((16, 4, 2.1), (8, 4, 2.1), (4, 4, float("inf")))  # (cluster width, warps, most blocks per SM)
 _FORCEABLE_SPLITS, _FORCEABLE_WARPS = (4, 8, 16), (4, 8)
 # L2-prefetch every row a block touches while it still waits on the rank
 # (measured: wins while few blocks run, loses once DRAM is busy).
@@ -193,8 +194,8 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
              warps=None):
     """y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T @ B[slot_i, :r_i].
 
-    The whole LoRA add-on in one launch: a cluster of 8 or 4 blocks (of 8 or 4
-    warps, by grid size: see _FUSED_SHAPES) per work item splits h_in for the
+    The whole LoRA add-on in one launch: a cluster of 16, 8 or 4 blocks (by grid
+    size: see _FUSED_SHAPES) per work item splits h_in for the
     shrink, sums the partial v in distributed shared memory, then splits h_out
     for the expand (sm_90; before it, one block per item).
     y: [tokens, >= y_offset + h_out] fp16/bf16 updated in place (row stride

@@ -406,10 +406,10 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
 
 // Blocks per SM the registers must allow: 3 for 4-warp blocks (ops/sgmv.py sizes
 // decode grids to at most ~2.1 blocks per SM, so no second wave), 2 for 32-row tiles
-// and for 8-warp blocks (up to 1.05 per SM: one cluster of 8 may share an SM's neighbours).
+// and for 8-warp blocks (forced only: the sweep's).
 #define MINB (W == 8 || MT == 2 ? 2 : 3)
 
-// W warps per block: 4, or 8 for small decode grids (each warp's share of an item halves).
+// W warps per block: 4 (the defaults), or 8 (each warp's share of an item halves).
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
 __global__ void __launch_bounds__(32 * W, MINB) sgmv_kernel(const SgmvArgs a) {
   static_assert(MODE == EXPAND || SPLIT == 1, "split-K needs the cluster kernel");
