@@ -37,7 +37,7 @@ _CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 
 
 class _Args(ctypes.Structure):
-    """Mirror of `SgmvArgs` in kernels/sgmv.cu."""
+    """Mirror of `SgmvArgs` in kernels/args.cuh."""
 
     _fields_ = [(n, ctypes.c_void_p) for n in ("x", "y", "v", "A", "B", "indptr", "slot_ids", "ranks", "scales")]
     _fields_ += [(n, ctypes.c_longlong) for n in ("x_stride", "y_stride", "v_stride", "a_slot", "b_slot")]

@@ -1,0 +1,151 @@
+// The expand half of SGMV: y[rows, share] += scale * v @ B[slot] on tensor cores.
+//
+// The output columns are permuted so B feeds the MMAs straight from 16-byte
+// global loads: lane (g, q) loads 8 consecutive columns of 4 rows of B, so in
+// n-tile j logical column n is physical column 8n + j; the accumulator then holds
+// 16 consecutive columns of each row, written back with 16-byte stores.
+#pragma once
+#include "args.cuh"
+#include "dtype.cuh"
+#include "segments.cuh"
+
+// Standalone expand: the v tile comes from global memory.
+template <class T, int RMAX, int MT, int W, class VT>
+__device__ __forceinline__ void load_v(const SgmvArgs& a, const Piece& pc, T (*vh)[Tile<T, RMAX, MT>::RP]) {
+  const int rr = (pc.rank + 15) & ~15;
+  const VT* v = static_cast<const VT*>(a.v) + (long long)pc.start * a.v_stride;
+  for (int e = threadIdx.x; e < Tile<T, RMAX, MT>::M * rr; e += 32 * W) {
+    const int m = e / rr, n = e % rr;
+    const float val = m < pc.rows && n < pc.rank ? load_as_float(v + (long long)m * a.v_stride + n) : 0.f;
+    vh[m][n] = DType<T>::from_float(val);
+  }
+}
+
+// The loads of one 64-column expand step that need no v: the y tile (read-
+// modify-write) and B's first KC k16 chunks (every chunk up to rank 64), all
+// issued together so a step costs one memory round trip, not one per chunk.
+template <int MT, int KC>
+struct StepLoads {
+  uint4 y[MT][2][2];  // [row tile][row g / g+8][columns 16q.. / 16q+8..]
+  uint4 b[KC][4];     // per chunk kk: B rows 16kk + 2q, 2q+1, 2q+8, 2q+9, columns 8g..
+};
+
+template <class T>
+__device__ __forceinline__ void load_b_k16(uint4 (&br)[4], const T* B, int h_out, int rank, int kk, int cb, int cend) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int k = kk * 16 + 2 * q + (i & 1) + (i >> 1) * 8, col = cb + 8 * g;
+    br[i] = ldg16(B + (long long)k * h_out + col, k < rank && col < cend);
+  }
+}
+
+template <class T, int MT>
+__device__ __forceinline__ void load_y(uint4 (&yv)[MT][2][2], const SgmvArgs& a, const Piece& pc, int cb, int cend) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const T* y = static_cast<const T*>(a.y) + (long long)pc.start * a.y_stride;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
+        yv[mt][h][hf] = ldg16(y + (long long)row * a.y_stride + col, row < pc.rows && col < cend);
+      }
+}
+
+template <class T, int MT, int KC>
+__device__ __forceinline__ void load_step(StepLoads<MT, KC>& st, const SgmvArgs& a, const Piece& pc, int cb, int cend) {
+  load_y<T, MT>(st.y, a, pc, cb, cend);
+  const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
+#pragma unroll
+  for (int kk = 0; kk < KC; ++kk) load_b_k16(st.b[kk], B, a.h_out, pc.rank, kk, cb, cend);  // masked past the rank
+}
+
+// acc += vh[:, 16kk..] @ B rows 16kk.. (columns permuted: see the top of this file).
+template <class T, int RMAX, int MT>
+__device__ __forceinline__ void mma_k16(float (&acc)[MT][8][4], const uint4 (&br)[4],
+                                        const T (*vh)[Tile<T, RMAX, MT>::RP], int kk) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const unsigned *r0 = &br[0].x, *r1 = &br[1].x, *r2 = &br[2].x, *r3 = &br[3].x;
+  unsigned b0[8], b1[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // pair up k = 2q, 2q+1 (and +8) of one column
+    b0[2 * i] = __byte_perm(r0[i], r1[i], 0x5410);
+    b0[2 * i + 1] = __byte_perm(r0[i], r1[i], 0x7632);
+    b1[2 * i] = __byte_perm(r2[i], r3[i], 0x5410);
+    b1[2 * i + 1] = __byte_perm(r2[i], r3[i], 0x7632);
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int r = mt * 16 + g, k = kk * 16 + 2 * q;
+    const unsigned a0 = *reinterpret_cast<const unsigned*>(&vh[r][k]);
+    const unsigned a1 = *reinterpret_cast<const unsigned*>(&vh[r + 8][k]);
+    const unsigned a2 = *reinterpret_cast<const unsigned*>(&vh[r][k + 8]);
+    const unsigned a3 = *reinterpret_cast<const unsigned*>(&vh[r + 8][k + 8]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) DType<T>::mma(acc[mt][j], a0, a1, a2, a3, b0[j], b1[j]);
+  }
+}
+
+// y = y + scale * acc, rounded once; each lane owns 16 consecutive columns of two rows.
+template <class T, int MT>
+__device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, const uint4 (&yv)[MT][2][2],
+                                           const float (&acc)[MT][8][4], int cb, int cend) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  T* y = static_cast<T*>(a.y) + (long long)pc.start * a.y_stride;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
+        if (row >= pc.rows || col >= cend) continue;
+        const unsigned* old = &yv[mt][h][hf].x;
+        uint4 out;
+        unsigned* o = &out.x;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = DType<T>::unpack(old[i]);
+          o[i] = DType<T>::pack(f.x + pc.scale * acc[mt][2 * i][2 * h + hf],
+                                f.y + pc.scale * acc[mt][2 * i + 1][2 * h + hf]);
+        }
+        *reinterpret_cast<uint4*>(y + (long long)row * a.y_stride + col) = out;
+      }
+}
+
+// y[rows, cs] += scale * vh @ B[slot][:, cs] over this block's column share cs;
+// `cur` holds the loads of the warp's first step, issued before v was ready.
+// PIPE (as registers allow): step s + 1 is loaded before step s is computed.
+template <class T, int RMAX, int MT, int W, bool PIPE>
+__device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, int2 cs,
+                                            const T (*vh)[Tile<T, RMAX, MT>::RP],
+                                            StepLoads<MT, Tile<T, RMAX, MT, W>::KC> cur) {
+  constexpr int KC = Tile<T, RMAX, MT, W>::KC;
+  const int w = threadIdx.x >> 5;
+  const int ksteps = (pc.rank + 15) / 16, nsteps = (cs.y - cs.x + 63) / 64;
+  const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
+  for (int s = w; s < nsteps; s += W) {
+    const int cb = cs.x + s * 64;
+    StepLoads<MT, KC> next;
+    if (PIPE) load_step<T, MT>(next, a, pc, cb + W * 64, cs.y);  // masked off past the share
+    float acc[MT][8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < KC; ++kk) {
+      if (kk >= ksteps) break;
+      mma_k16<T, RMAX, MT>(acc, cur.b[kk], vh, kk);
+    }
+#pragma unroll
+    for (int kk = KC; kk < RMAX / 16; ++kk) {  // rank 128: the rest chunk by chunk
+      if (kk >= ksteps) break;
+      uint4 br[4];
+      load_b_k16(br, B, a.h_out, pc.rank, kk, cb, cs.y);
+      mma_k16<T, RMAX, MT>(acc, br, vh, kk);
+    }
+    store_step<T, MT>(a, pc, cur.y, acc, cb, cs.y);
+    if (PIPE) cur = next;
+    else load_step<T, MT>(cur, a, pc, cb + W * 64, cs.y);
+  }
+}

@@ -1,0 +1,109 @@
+// The shrink half of SGMV: a block's split-K partial of v = x @ A[slot].T on tensor
+// cores, and the sum of the cluster's partials in distributed shared memory.
+//
+// A dot product does not care in which order k is summed, so each lane's 8
+// consecutive k of x and of A fill its fragment slots of two MMAs straight from
+// 16-byte global loads.
+#pragma once
+#include "args.cuh"
+#include "cluster.cuh"
+#include "dtype.cuh"
+#include "segments.cuh"
+
+// Shrink partial of this block's k-share: part[m][n] = sum_k x[m][k] * A[n][k].
+template <class T, int RMAX, int MT, int W, int U>
+__device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& pc, int2 ks,
+                                               float (*part)[RMAX], float* red) {
+  using TL = Tile<T, RMAX, MT, W>;
+  constexpr int NTG = TL::NTG, M = TL::M;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  const int nsteps = (ks.y - ks.x + 31) / 32;
+  const T* x = static_cast<const T*>(a.x) + (long long)pc.start * a.x_stride;
+  const T* A = static_cast<const T*>(a.A) + (long long)pc.slot * a.a_slot;
+  for (int n0 = 0; n0 < pc.rank; n0 += NTG * 8) {
+    float acc[MT][NTG][4] = {};
+    // A warp takes U consecutive 64-byte steps of each row: whole 128-byte lines.
+    for (int s0 = w * U; s0 < nsteps; s0 += W * U) {
+      uint4 xv[U][MT][2], av[U][NTG];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int s = s0 + u, k = ks.x + s * 32 + q * 8;
+        const bool kin = s < nsteps && k < ks.y;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = mt * 16 + h * 8 + g;
+            xv[u][mt][h] = ldg16(x + (long long)row * a.x_stride + k, kin && row < pc.rows);
+          }
+#pragma unroll
+        for (int nt = 0; nt < NTG; ++nt) {
+          const int n = n0 + nt * 8 + g;
+          av[u][nt] = ldg16(A + (long long)n * a.h_in + k, kin && n < pc.rank);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NTG; ++nt) {
+            const uint4 &lo = xv[u][mt][0], &hi = xv[u][mt][1], &b = av[u][nt];
+            DType<T>::mma(acc[mt][nt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
+            DType<T>::mma(acc[mt][nt], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+          }
+    }
+    // Sum the warps' partials of this rank group in a fixed order (deterministic).
+    constexpr int NG = NTG * 8;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTG; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int row = mt * 16 + g + (c >> 1) * 8, col = nt * 8 + 2 * q + (c & 1);
+          red[(w * M + row) * NG + col] = acc[mt][nt][c];
+        }
+    __syncthreads();
+    for (int e = threadIdx.x; e < pc.rows * NG; e += 32 * W) {
+      float s = 0.f;
+#pragma unroll
+      for (int ww = 0; ww < W; ++ww) s += red[ww * M * NG + e];
+      part[e / NG][n0 + e % NG] = s;
+    }
+    __syncthreads();
+  }
+}
+
+// v tile = sum over the SPLIT blocks' partials (distributed shared memory when
+// SPLIT > 1); lands in vh (activation dtype, MMA operand) and optionally in v.
+template <class T, int RMAX, int MT, int SPLIT, int W, class VT>
+__device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& pc, int crank,
+                                                float (*part)[RMAX], T (*vh)[Tile<T, RMAX, MT>::RP],
+                                                bool keep_vh) {
+  const int rr = (pc.rank + 15) & ~15, quads = rr / 4;
+  VT* v = static_cast<VT*>(a.v);
+  // Rows past the piece are left as they are: an MMA row only feeds its own output row,
+  // and those are never stored (Distinct: 1 row in 16, so 1/16 of the remote reads).
+  for (int e = threadIdx.x; e < pc.rows * quads; e += 32 * W) {
+    const int m = e / quads, n = (e % quads) * 4;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int c = 0; c < SPLIT; ++c) {
+      const float4 p = SPLIT > 1 ? ld_dsmem_f4(dsmem_addr(&part[m][n], c))
+                                 : *reinterpret_cast<const float4*>(&part[m][n]);
+      s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
+    }
+    const float sv[4] = {s.x, s.y, s.z, s.w};
+    if (keep_vh) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) vh[m][n + i] = DType<T>::from_float(sv[i]);
+    }
+    if (v != nullptr && e % SPLIT == crank) {
+      VT* out = v + (long long)(pc.start + m) * a.v_stride + n;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (n + i < pc.rank) store_float(out + i, sv[i]);
+    }
+  }
+}
