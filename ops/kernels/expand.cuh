@@ -40,24 +40,25 @@ __device__ __forceinline__ void load_b_k16(uint4 (&br)[4], const T* B, int h_out
   }
 }
 
-template <class T, int MT>
-__device__ __forceinline__ void load_y(uint4 (&yv)[MT][2][2], const SgmvArgs& a, const Piece& pc, int cb, int cend) {
+// Calls f(mt, h, hf, row, col) for each 16-byte piece of a step's y tile the lane owns:
+// 8 consecutive columns of one row.
+template <int MT, class F>
+__device__ __forceinline__ void for_y_pieces(int cb, F f) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-  const T* y = static_cast<const T*>(a.y) + (long long)pc.start * a.y_stride;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
-        yv[mt][h][hf] = ldg16(y + (long long)row * a.y_stride + col, row < pc.rows && col < cend);
-      }
+      for (int hf = 0; hf < 2; ++hf) f(mt, h, hf, mt * 16 + h * 8 + g, cb + 16 * q + 8 * hf);
 }
 
 template <class T, int MT, int KC>
 __device__ __forceinline__ void load_step(StepLoads<MT, KC>& st, const SgmvArgs& a, const Piece& pc, int cb, int cend) {
-  load_y<T, MT>(st.y, a, pc, cb, cend);
+  const T* y = static_cast<const T*>(a.y) + (long long)pc.start * a.y_stride;
+  for_y_pieces<MT>(cb, [&](int mt, int h, int hf, int row, int col) {
+    st.y[mt][h][hf] = ldg16(y + (long long)row * a.y_stride + col, row < pc.rows && col < cend);
+  });
   const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
 #pragma unroll
   for (int kk = 0; kk < KC; ++kk) load_b_k16(st.b[kk], B, a.h_out, pc.rank, kk, cb, cend);  // masked past the rank
@@ -93,27 +94,20 @@ __device__ __forceinline__ void mma_k16(float (&acc)[MT][8][4], const uint4 (&br
 template <class T, int MT>
 __device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, const uint4 (&yv)[MT][2][2],
                                            const float (&acc)[MT][8][4], int cb, int cend) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   T* y = static_cast<T*>(a.y) + (long long)pc.start * a.y_stride;
+  for_y_pieces<MT>(cb, [&](int mt, int h, int hf, int row, int col) {
+    if (row >= pc.rows || col >= cend) return;
+    const unsigned* old = &yv[mt][h][hf].x;
+    uint4 out;
+    unsigned* o = &out.x;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int row = mt * 16 + h * 8 + g, col = cb + 16 * q + 8 * hf;
-        if (row >= pc.rows || col >= cend) continue;
-        const unsigned* old = &yv[mt][h][hf].x;
-        uint4 out;
-        unsigned* o = &out.x;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = DType<T>::unpack(old[i]);
-          o[i] = DType<T>::pack(f.x + pc.scale * acc[mt][2 * i][2 * h + hf],
-                                f.y + pc.scale * acc[mt][2 * i + 1][2 * h + hf]);
-        }
-        *reinterpret_cast<uint4*>(y + (long long)row * a.y_stride + col) = out;
-      }
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = DType<T>::unpack(old[i]);
+      o[i] = DType<T>::pack(f.x + pc.scale * acc[mt][2 * i][2 * h + hf],
+                            f.y + pc.scale * acc[mt][2 * i + 1][2 * h + hf]);
+    }
+    *reinterpret_cast<uint4*>(y + (long long)row * a.y_stride + col) = out;
+  });
 }
 
 // y[rows, cs] += scale * vh @ B[slot][:, cs] over this block's column share cs;
