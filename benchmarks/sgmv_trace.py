@@ -45,15 +45,15 @@ def plan(case, force):
 
 def trace_once(case, force, func, buf, nbytes, flush):
     """Per block: [entry ns, cycles at each phase (0: not reached), exit ns] of one launch."""
-    _, blocks, threads, args = plan(case, force)
-    assert blocks <= 4096, "sgmv_trace holds 4096 blocks"
+    p = plan(case, force)
+    assert p.blocks <= 4096, "sgmv_trace holds 4096 blocks"
     _drv(driver.cuMemsetD8(buf, 0, nbytes))
     flush.zero_()
-    launch.launch(func, blocks, threads, args, case.x.device)
+    launch.launch(func, p.blocks, p.threads, p.args, p.device)
     torch.cuda.synchronize()
     host = np.zeros((4096, 10), dtype=np.int64)
     _drv(driver.cuMemcpyDtoH(host.ctypes.data, buf, nbytes))
-    return host[:blocks]
+    return host[:p.blocks]
 
 
 def summarize(traces, mhz):
@@ -86,24 +86,21 @@ def main():
         pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
                 torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
         case = Case(rank, "distinct", batch, rng, pool)
-        name, blocks, threads, kargs = plan(case, force)
-        dev = case.x.device
-        plain = nvrtc.load_function("sgmv.cu", name, dev.index, defines)
-        graph_us = time_graph(lambda: launch.launch(plain, blocks, threads, kargs, dev), flush)
-        func = nvrtc.load_function("sgmv.cu", name, dev.index, (*defines, "-DSGMV_TRACE"))
+        p = plan(case, force)
+        plain = nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines)
+        graph_us = time_graph(lambda: launch.launch(plain, p.blocks, p.threads, p.args, p.device), flush)
+        func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, (*defines, "-DSGMV_TRACE"))
         buf, nbytes = _drv(driver.cuModuleGetGlobal(_drv(driver.cuFuncGetModule(func)), b"sgmv_trace"))
         traces = [trace_once(case, force, func, buf, nbytes, flush) for _ in range(REPS + 3)][3:]
-        rows.append(dict(rank=rank, batch=batch, kernel=name, defines=args.define, forced=force, blocks=blocks,
-                         sm_mhz=mhz,
-                         graph_us=graph_us, **summarize(traces, mhz)))
+        rows.append(dict(rank=rank, batch=batch, kernel=p.name, defines=args.define, forced=force, blocks=p.blocks,
+                         sm_mhz=mhz, graph_us=graph_us, **summarize(traces, mhz)))
         del pool
     args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
     print("defines:", args.define, "forced:", force)
     cols = ("graph_us", "start_skew_us", "span_us", *PHASES)
     print(f"{'r':>3} {'B':>3} {'blocks':>6} " + " ".join(f"{c[:12]:>12}" for c in cols))
     for r in rows:
-        print(f"{r['rank']:>3} {r['batch']:>3} {r['blocks']:>6} "
-              + " ".join(f"{r[c]:12.2f}" for c in cols))
+        print(f"{r['rank']:>3} {r['batch']:>3} {r['blocks']:>6} " + " ".join(f"{r[c]:12.2f}" for c in cols))
         print(" " * 14 + "slowest " + " " * 31 + " ".join(f"{r[p + ' (slowest)']:12.2f}" for p in PHASES))
 
 

@@ -13,6 +13,7 @@ first use (`ops.nvrtc`). Requirements, checked: h_in, h_out, row strides and
 """
 import ctypes
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -118,11 +119,20 @@ def _ptr(t, offset=0):
     return None if t is None else t.data_ptr() + offset * t.element_size()
 
 
+class Plan(NamedTuple):
+    """One kernel launch: which instantiation, its grid, its arguments, on which device."""
+
+    name: str
+    blocks: int
+    threads: int
+    args: _Args
+    device: torch.device
+
+
 def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_ids, ranks, scales=None,
-                y_offset=0, prefetch=None, split=None, warps=None):
-    """(kernel name, blocks, threads per block, arguments) of one call, or None when there is
-    nothing to do; prefetch / split / warps None: the measured defaults (forced by the
-    benchmark and the tests)."""
+                y_offset=0, prefetch=None, split=None, warps=None) -> Plan | None:
+    """The launch of one call, or None when there is nothing to do; prefetch / split / warps
+    None: the measured defaults (forced by the benchmark and the tests)."""
     pool = A if A is not None else B
     dev, arch, nseg, max_rank = pool.device, _arch(pool.device.index), slot_ids.numel(), pool.shape[1]
     if nseg == 0 or tokens == 0:
@@ -148,15 +158,13 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
         h_out=0 if B is None else B.shape[2],
         max_rank=max_rank, prefetch=int(prefetch), slots=ranks.numel(),
     )
-    return name, items * split, 32 * warps, args
+    return Plan(name, items * split, 32 * warps, args, dev)
 
 
 def _run(mode, tokens, **kwargs):
-    plan = launch_plan(mode, tokens, **kwargs)
-    if plan is not None:
-        name, blocks, threads, args = plan
-        device = (kwargs["A"] if kwargs.get("A") is not None else kwargs["B"]).device
-        _launch.launch(nvrtc.load_function("sgmv.cu", name, device.index), blocks, threads, args, device)
+    p = launch_plan(mode, tokens, **kwargs)
+    if p is not None:
+        _launch.launch(nvrtc.load_function("sgmv.cu", p.name, p.device.index), p.blocks, p.threads, p.args, p.device)
 
 
 def sgmv_shrink(v, x, A, indptr, slot_ids, ranks):

@@ -80,6 +80,12 @@ struct StagedLoads {
   }
 };
 
+// Entry i of a staged array, or of its global original past kStaged.
+template <class V>
+__device__ __forceinline__ V staged_or_global(const V (&staged)[kStaged], const V* global, int i) {
+  return i < kStaged ? staged[i] : __ldg(global + i);
+}
+
 // Segments before `item`'s end: one past the index of the segment it belongs to.
 __device__ __forceinline__ int find_segment(const int* indptr, int nseg, int tokens, int M, int item) {
   return merge_corank(indptr, nseg, (tokens + M - 1) / M, M, item + 1);
@@ -93,7 +99,7 @@ __device__ __forceinline__ bool find_piece(const int* indptr, const int* slot_id
   // indptr's lines are in L1 since the search; the slot id is staged (or one load).
   const int seg = max(i - 1, 0);
   const int seg_start = __ldg(indptr + seg), seg_end = __ldg(indptr + seg + 1);
-  const int slot = seg < kStaged ? st.slot[seg] : __ldg(slot_ids + seg);
+  const int slot = staged_or_global(st.slot, slot_ids, seg);
   if (i == 0 || slot < 0) return false;  // rows before the first segment / no adapter
   const bool from_block = j > 0 && (j - 1) * M >= seg_start;
   if (from_block && (j - 1) * M == seg_start) return false;  // the segment's own item has it
@@ -105,8 +111,7 @@ __device__ __forceinline__ bool find_piece(const int* indptr, const int* slot_id
 
 __device__ __forceinline__ bool adapter_rank(const int* ranks, const float* scales, const IndexStage& st,
                                              int max_rank, Piece& pc) {
-  const bool staged = pc.slot < kStaged;
-  pc.rank = min(staged ? st.rank[pc.slot] : __ldg(ranks + pc.slot), max_rank);
-  pc.scale = !scales ? 0.f : staged ? st.scale[pc.slot] : __ldg(scales + pc.slot);  // the shrink has no scales
+  pc.rank = min(staged_or_global(st.rank, ranks, pc.slot), max_rank);
+  pc.scale = scales ? staged_or_global(st.scale, scales, pc.slot) : 0.f;  // the shrink has no scales
   return pc.rank > 0;
 }
