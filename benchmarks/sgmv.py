@@ -27,7 +27,7 @@ RANKS = (8, 16, 32, 64)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 WORKLOADS = ("distinct", "uniform", "skewed", "identical")
 PREFILL = [(r, w, t) for r in (16, 64) for w in ("identical", "uniform") for t in (512, 2048, 8192)]
-# add_lora with each cluster width, with/without the L2 prefetch, with 4/8 warps per block: to pick the defaults
+# add_lora with each cluster width, with 4/8 warps per block: to pick the defaults
 SWEEP = [(r, "distinct", b) for r in (16, 32, 64) for b in (1, 16, 32, 64)] + [
     (64, "identical", 1), (64, "identical", 64), (64, "uniform", 32), (8, "distinct", 64),
     (16, "identical", 2048), (64, "uniform", 2048), (16, "uniform", 8192)]
@@ -69,10 +69,9 @@ class Case:
     def segs(self):
         return self.indptr, self.slot_ids, self.ranks
 
-    def ours(self, prefetch=None, split=None, warps=None):
-        """prefetch / split / warps None: the defaults; forced for the sweep."""
-        sgmv.add_lora(self.y, self.x, self.A, self.B, *self.segs(), self.scales, prefetch=prefetch, split=split,
-                      warps=warps)
+    def ours(self, split=None, warps=None):
+        """split / warps None: the defaults; forced for the sweep."""
+        sgmv.add_lora(self.y, self.x, self.A, self.B, *self.segs(), self.scales, split=split, warps=warps)
 
     def ours_2launch(self):
         sgmv.sgmv_shrink(self.v, self.x, self.A, *self.segs())
@@ -176,9 +175,9 @@ def run(out):
         for r, workload, batch in SWEEP:
             if r == rank:
                 case = Case(rank, workload, batch, rng, pool)
-                for split, prefetch, warps in itertools.product((4, 8, 16), (True, False), (4, 8)):
-                    sweep.append(dict(rank=rank, workload=workload, batch=batch, split=split, prefetch=prefetch,
-                                      warps=warps, us=time_graph(lambda: case.ours(prefetch, split, warps), flush)))
+                for split, warps in itertools.product((4, 8, 16), (4, 8)):
+                    sweep.append(dict(rank=rank, workload=workload, batch=batch, split=split, warps=warps,
+                                      us=time_graph(lambda: case.ours(split, warps), flush)))
                     print(sweep[-1], flush=True)
         del pool
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,

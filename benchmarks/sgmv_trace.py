@@ -38,14 +38,14 @@ def _drv(result):
     return rest[0] if len(rest) == 1 else rest
 
 
-def plan(case, force):
+def plan(case):
     return sgmv.launch_plan(sgmv.FUSED, case.batch, x=case.x, y=case.y, A=case.A, B=case.B, indptr=case.indptr,
-                            slot_ids=case.slot_ids, ranks=case.ranks, scales=case.scales, **force)
+                            slot_ids=case.slot_ids, ranks=case.ranks, scales=case.scales)
 
 
-def trace_once(case, force, func, buf, nbytes, flush):
+def trace_once(case, func, buf, nbytes, flush):
     """Per block: [entry ns, cycles at each phase (0: not reached), exit ns] of one launch."""
-    p = plan(case, force)
+    p = plan(case)
     assert p.blocks <= 4096, "sgmv_trace holds 4096 blocks"
     _drv(driver.cuMemsetD8(buf, 0, nbytes))
     flush.zero_()
@@ -74,10 +74,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, default=RESULT)
     ap.add_argument("--define", action="append", default=[], help="build the kernel with -DNAME")
-    ap.add_argument("--no-prefetch", action="store_true", help="no L2 prefetch, whatever the grid")
     args = ap.parse_args()
     defines = tuple(f"-D{d}" for d in args.define)
-    force = {"prefetch": False} if args.no_prefetch else {}
     rng = np.random.default_rng(0)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     mhz = torch.cuda.clock_rate()  # current SM clock, MHz (cycles per µs)
@@ -86,17 +84,17 @@ def main():
         pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
                 torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
         case = Case(rank, "distinct", batch, rng, pool)
-        p = plan(case, force)
+        p = plan(case)
         plain = nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines)
         graph_us = time_graph(lambda: launch.launch(plain, p.blocks, p.threads, p.args, p.device), flush)
         func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, (*defines, "-DSGMV_TRACE"))
         buf, nbytes = _drv(driver.cuModuleGetGlobal(_drv(driver.cuFuncGetModule(func)), b"sgmv_trace"))
-        traces = [trace_once(case, force, func, buf, nbytes, flush) for _ in range(REPS + 3)][3:]
-        rows.append(dict(rank=rank, batch=batch, kernel=p.name, defines=args.define, forced=force, blocks=p.blocks,
+        traces = [trace_once(case, func, buf, nbytes, flush) for _ in range(REPS + 3)][3:]
+        rows.append(dict(rank=rank, batch=batch, kernel=p.name, defines=args.define, blocks=p.blocks,
                          sm_mhz=mhz, graph_us=graph_us, **summarize(traces, mhz)))
         del pool
     args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
-    print("defines:", args.define, "forced:", force)
+    print("defines:", args.define)
     cols = ("graph_us", "start_skew_us", "span_us", *PHASES)
     print(f"{'r':>3} {'B':>3} {'blocks':>6} " + " ".join(f"{c[:12]:>12}" for c in cols))
     for r in rows:

@@ -29,9 +29,6 @@ _SPLIT = 8  # blocks sharing one work item: split-K in the shrink, split-N in th
 # staged in shared memory, now tie or lose.
 _FUSED_SHAPES = ((16, 4, 2.1), (8, 4, 2.1), (4, 4, float("inf")))  # (cluster width, warps, most blocks per SM)
 _FORCEABLE_SPLITS, _FORCEABLE_WARPS = (4, 8, 16), (4, 8)
-# L2-prefetch every row a block touches while it still waits on the rank
-# (measured: wins while few blocks run, loses once DRAM is busy).
-_PREFETCH_ITEM_RANKS = 512
 _RMAX = (16, 32, 64, 128)
 _BIG_TILE_TOKENS = 256  # fused, from here on 32-row items: adapters re-read from L2 half as often
 _CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
@@ -42,7 +39,7 @@ class _Args(ctypes.Structure):
 
     _fields_ = [(n, ctypes.c_void_p) for n in ("x", "y", "v", "A", "B", "indptr", "slot_ids", "ranks", "scales")]
     _fields_ += [(n, ctypes.c_longlong) for n in ("x_stride", "y_stride", "v_stride", "a_slot", "b_slot")]
-    _fields_ += [(n, ctypes.c_int) for n in ("nseg", "tokens", "h_in", "h_out", "max_rank", "prefetch", "slots")]
+    _fields_ += [(n, ctypes.c_int) for n in ("nseg", "tokens", "h_in", "h_out", "max_rank", "slots")]
 
 
 def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch: int, split: int = _SPLIT,
@@ -130,9 +127,9 @@ class Plan(NamedTuple):
 
 
 def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_ids, ranks, scales=None,
-                y_offset=0, prefetch=None, split=None, warps=None) -> Plan | None:
-    """The launch of one call, or None when there is nothing to do; prefetch / split / warps
-    None: the measured defaults (forced by the benchmark and the tests)."""
+                y_offset=0, split=None, warps=None) -> Plan | None:
+    """The launch of one call, or None when there is nothing to do; split / warps None:
+    the measured defaults (forced by the benchmark and the tests)."""
     pool = A if A is not None else B
     dev, arch, nseg, max_rank = pool.device, _arch(pool.device.index), slot_ids.numel(), pool.shape[1]
     if nseg == 0 or tokens == 0:
@@ -142,8 +139,6 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
     shape = _fused_shape(items, dev.index) if mode == FUSED else (_SPLIT, 4)
     split = shape[0] if split is None else split
     warps = shape[1] if warps is None else warps
-    if prefetch is None:
-        prefetch = items * max_rank <= _PREFETCH_ITEM_RANKS
     name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps)
     args = _Args(
         x=_ptr(x), y=_ptr(y, y_offset), v=_ptr(v), A=_ptr(A), B=_ptr(B),
@@ -156,7 +151,7 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
         nseg=nseg, tokens=tokens,
         h_in=0 if A is None else A.shape[2],
         h_out=0 if B is None else B.shape[2],
-        max_rank=max_rank, prefetch=int(prefetch), slots=ranks.numel(),
+        max_rank=max_rank, slots=ranks.numel(),
     )
     return Plan(name, items * split, 32 * warps, args, dev)
 
@@ -198,8 +193,7 @@ def sgmv_expand(y, v, B, indptr, slot_ids, ranks, scales, y_offset=0):
     return y
 
 
-def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *, prefetch=None, split=None,
-             warps=None):
+def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *, split=None, warps=None):
     """y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T @ B[slot_i, :r_i].
 
     The whole LoRA add-on in one launch: a cluster of 16, 8 or 4 blocks (by grid
@@ -210,8 +204,7 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
     y.stride(0)); x: [tokens, h_in]; A: [slots, max_rank, h_in];
     B: [slots, max_rank, h_out]. v never leaves the chip, so no scratch is
     needed; pass v (float32 [tokens, >= max_rank]) to also receive x @ A.T as
-    sgmv_shrink writes it. prefetch (L2 prefetch on/off), split (cluster width)
-    and warps (per block) override the measured defaults (for the benchmark's
+    sgmv_shrink writes it. split (cluster width) and warps (per block) override the measured defaults (for the benchmark's
     sweep and the tests). Returns y.
     """
     if not x.is_cuda:
@@ -221,5 +214,5 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
     _check(x, A, y, v, (indptr, slot_ids, ranks, scales), y_offset)
     _check(x, B, y, None, (), y_offset)
     _run(FUSED, x.shape[0], x=x, y=y, v=v, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks,
-         scales=scales, y_offset=y_offset, prefetch=prefetch, split=split, warps=warps)
+         scales=scales, y_offset=y_offset, split=split, warps=warps)
     return y

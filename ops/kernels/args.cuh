@@ -13,7 +13,7 @@ struct SgmvArgs {
   const float* scales;
   long long x_stride, y_stride, v_stride;  // row strides, elements
   long long a_slot, b_slot;                // pool slot strides, elements
-  int nseg, tokens, h_in, h_out, max_rank, prefetch, slots;
+  int nseg, tokens, h_in, h_out, max_rank, slots;
 };
 
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }

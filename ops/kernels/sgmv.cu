@@ -38,36 +38,10 @@ __device__ __forceinline__ long long global_ns() {
 #define TRACE_END
 #endif
 
-// Prefetch rows [0, nrows) x columns [c0, c1) of a row-major matrix into L2, so
-// every DRAM request of the block is in flight from its first microsecond.
-template <class T>
-__device__ __forceinline__ void prefetch_rows(const T* base, long long stride, int nrows, int c0, int c1) {
-  const int lines = ((c1 - c0) * int(sizeof(T)) + 127) / 128;
-  for (int idx = threadIdx.x; idx < nrows * lines; idx += blockDim.x) {
-    const T* row = base + (long long)(idx / lines) * stride + c0;
-    prefetch_l2(reinterpret_cast<const char*>(row) + (idx % lines) * 128);
-  }
-}
-
 // Block `part` of SPLIT equal, `unit`-aligned shares of [0, n).
 __device__ __forceinline__ int2 share(int n, int unit, int part, int SPLIT) {
   const int per = ((n + unit - 1) / unit + SPLIT - 1) / SPLIT * unit;
   return make_int2(min(n, part * per), min(n, part * per + per));
-}
-
-// Only where few blocks share the chip (the host decides): L2 prefetch of
-// every row the block will touch, issued before the adapter's rank is known
-// (up to the pool's max rank), so DRAM latency overlaps the index loads.
-template <class T, int MODE>
-__device__ __forceinline__ void prefetch_piece(const SgmvArgs& a, const Piece& pc, int2 ks, int2 cs) {
-  if (MODE != EXPAND) {
-    prefetch_rows(static_cast<const T*>(a.A) + (long long)pc.slot * a.a_slot, a.h_in, a.max_rank, ks.x, ks.y);
-    prefetch_rows(static_cast<const T*>(a.x) + (long long)pc.start * a.x_stride, a.x_stride, pc.rows, ks.x, ks.y);
-  }
-  if (MODE != SHRINK) {
-    prefetch_rows(static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot, a.h_out, a.max_rank, cs.x, cs.y);
-    prefetch_rows(static_cast<const T*>(a.y) + (long long)pc.start * a.y_stride, a.y_stride, pc.rows, cs.x, cs.y);
-  }
 }
 
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
@@ -90,13 +64,13 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   Piece pc;  // the whole cluster finds the same item, so it returns together
   if (!find_piece(a.indptr, a.slot_ids, index, TL::M, blockIdx.x / SPLIT, segs_before, pc)) return;
   TRACE(1)
-  const int2 ks = share(a.h_in, 32, crank, SPLIT), cs = share(a.h_out, 64, crank, SPLIT);
-  if (a.prefetch) prefetch_piece<T, MODE>(a, pc, ks, cs);
   if (!adapter_rank(a.ranks, a.scales, index, a.max_rank, pc)) return;
   TRACE(2)
+  const int2 ks = share(a.h_in, 32, crank, SPLIT), cs = share(a.h_out, 64, crank, SPLIT);
   constexpr bool PIPE = MT == 1 && RMAX <= (W == 8 ? 16 : 32);  // as registers allow
-  // 16-byte loads in flight per lane, as the register cap allows
-  constexpr int BUDGET = W == 8 ? 16 : MT == 1 && SPLIT <= 4 ? 32 : 24;
+  // 16-byte loads in flight per lane, as the register cap allows without spills (ptxas -v,
+  // tests/test_kernels_compile.py); the shrink kernel alone keeps more addresses live
+  constexpr int BUDGET = W == 8 ? 16 : MT == 1 && SPLIT <= 4 ? (MODE == SHRINK ? 28 : 30) : 24;
   // Decode tiles, where registers allow: the expand's first loads (B does not depend on v)
   // fly with the shrink's. (Streaming all of B beside A through shared memory was slower:
   // benchmarks/results/trace_runs.)

@@ -39,7 +39,7 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
 #pragma unroll
         for (int nt = 0; nt < NTG; ++nt) {
           const int n = n0 + nt * 8 + g;
-          av[u][nt] = ldg16(A + (long long)n * a.h_in + k, kin && n < pc.rank);
+          av[u][nt] = ldg16_stream(A + (long long)n * a.h_in + k, kin && n < pc.rank);
         }
       }
 #pragma unroll

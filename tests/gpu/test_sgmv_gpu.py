@@ -137,13 +137,12 @@ def test_projection_shapes(h_in, h_out):
 
 
 @pytest.mark.parametrize("warps", (4, 8))
-@pytest.mark.parametrize("prefetch", (False, True))
 @pytest.mark.parametrize("split", (4, 8, 16))
-def test_every_prefetch_choice_cluster_width_and_block_size(prefetch, split, warps):
+def test_every_cluster_width_and_block_size(split, warps):
     """The defaults pick these by measurement: every choice must be exact, whatever is picked."""
-    rng = np.random.default_rng(split * 100 + prefetch * 10 + warps)
+    rng = np.random.default_rng(split * 100 + warps)
     pool = make_pool(torch.float16, 4096, 4096, "mixed", seed=split)
-    forced = dict(prefetch=prefetch, split=split, warps=warps)
+    forced = dict(split=split, warps=warps)
     failures = [f for w in WORKLOADS for b in (1, 16, 64, 300)
                 for f in check_case(torch.float16, 4096, 4096, "mixed", w, b, pool, rng, **forced)]
     assert not failures, "\n".join(failures[:20])

@@ -1,0 +1,90 @@
+"""A/B comparison of add_lora kernel builds on the device, timed interleaved.
+
+    python benchmarks/sgmv_variants.py --variant base= --variant ef=SGMV_EVICT_FIRST \
+        [--variant c8=:split=8] [--out benchmarks/results/trace_runs/NAME.json]
+
+A variant is NAME=DEFINE[,DEFINE...][:option=value...]: the kernel built with those
+-D macros, and add_lora's forced options (split=N, warps=N). Each
+configuration's variants are timed as benchmarks/sgmv.py times them (graph replay
+behind the 256 MiB L2 flush, median of 100), in ROUNDS interleaved rounds so the
+machine's drift hits all alike; after each variant's first run its output is
+checked against the Loop baseline.
+"""
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.sgmv import H, POOL, Case, time_graph  # noqa: E402
+from ops import launch, nvrtc, sgmv  # noqa: E402
+
+CONFIGS = [(16, "distinct", b) for b in (1, 16, 32, 64)] + [(32, "distinct", b) for b in (16, 32, 64)] + [
+    (64, "distinct", b) for b in (1, 16, 32)] + [
+    (8, "distinct", 64), (16, "identical", 64), (64, "identical", 64), (64, "uniform", 64), (16, "uniform", 2048)]
+ROUNDS = 3
+
+
+def parse_variant(text):
+    name, _, spec = text.partition("=")
+    defines, _, opts = spec.partition(":")
+    force = {k: int(v) for k, v in (kv.split("=") for kv in opts.split(",") if kv)}
+    return name, tuple(f"-D{d}" for d in defines.split(",") if d), force
+
+
+def runner(case, defines, force):
+    p = sgmv.launch_plan(sgmv.FUSED, case.batch, x=case.x, y=case.y, A=case.A, B=case.B, indptr=case.indptr,
+                         slot_ids=case.slot_ids, ranks=case.ranks, scales=case.scales, **force)
+    func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines)
+    return lambda: launch.launch(func, p.blocks, p.threads, p.args, p.device)
+
+
+def rel_err(case, fn):
+    y0 = case.y.clone()
+    fn()
+    ours = case.y.float() - y0.float()
+    case.y.copy_(y0)
+    case.loop()
+    ref = case.y.float() - y0.float()
+    case.y.copy_(y0)
+    return float((ours - ref).norm() / ref.norm())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", action="append", required=True, type=parse_variant)
+    ap.add_argument("--out", type=pathlib.Path)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    rows = []
+    for rank, workload, batch in CONFIGS:
+        pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
+                torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
+        case = Case(rank, workload, batch, rng, pool)
+        fns = {name: runner(case, d, f) for name, d, f in args.variant}
+        errs = {name: rel_err(case, fn) for name, fn in fns.items()}
+        assert max(errs.values()) < 2e-2, errs
+        times = {name: [] for name in fns}
+        for _ in range(ROUNDS):
+            for name, fn in fns.items():
+                times[name].append(time_graph(fn, flush))
+        rows.append(dict(rank=rank, workload=workload, batch=batch, rel_err=errs,
+                         us={n: float(np.median(t)) for n, t in times.items()}, rounds=times))
+        del pool, case
+    names = [n for n, _, _ in args.variant]
+    print("variants:", {n: (d, f) for n, d, f in args.variant})
+    print(f"{'r':>3} {'workload':>9} {'B':>5} " + " ".join(f"{n:>10}" for n in names))
+    for r in rows:
+        print(f"{r['rank']:>3} {r['workload']:>9} {r['batch']:>5} " + " ".join(f"{r['us'][n]:10.2f}" for n in names))
+    if args.out:
+        args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), variants=args.variant, rows=rows),
+                                       indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
