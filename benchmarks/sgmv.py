@@ -7,7 +7,9 @@ Method (same as the peer figures): adapter pool of 512 slots, h=4096, fp16;
 each variant is captured as a one-add-on CUDA graph and replayed behind an L2
 flush (a 256 MiB write); the median of CUDA-event timings is reported. The
 floor is the bytes that must move (x, each distinct adapter's A and B once, y
-read and written) over the device-to-device copy bandwidth measured here.
+read and written) over the device-to-device copy bandwidth measured here;
+read_only is the same number of bytes read by a kernel that does nothing else,
+timed the same way (benchmarks/read_floor.py): what this method gives any kernel.
 """
 import argparse
 import datetime
@@ -140,10 +142,13 @@ def time_phases(case, flush):
 
 
 def run(out):
+    from benchmarks.read_floor import ReadFloor  # triton: on the device only
+
     rng = np.random.default_rng(0)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     bw = copy_bandwidth()
     null_us = time_graph(lambda: torch.cuda._sleep(0), flush)
+    reads = ReadFloor(2 * (2 * max(BATCHES) * max(RANKS) * H + 3 * max(BATCHES) * H), time_graph, flush)
     rows, prefill, sweep, phases = [], [], [], []
     for rank in RANKS:
         pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
@@ -157,7 +162,8 @@ def run(out):
                            ours_2launch_us=time_graph(case.ours_2launch, flush),
                            loop_us=time_graph(case.loop, flush),
                            gather_bmm_us=time_graph(case.gather_bmm, flush),
-                           floor_us=case.floor_bytes() / bw * 1e6)
+                           floor_us=case.floor_bytes() / bw * 1e6,
+                           read_only_us=reads.read_us(case.floor_bytes()))
                 rows.append(row)
                 print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                       flush=True)
@@ -199,7 +205,7 @@ def attach_peers(result, peers_path):
 
 
 def table(result):
-    cols = ("ours_us", "vllm_us", "ours_2launch_us", "gather_bmm_us", "loop_us", "floor_us")
+    cols = ("ours_us", "vllm_us", "ours_2launch_us", "gather_bmm_us", "loop_us", "read_only_us", "floor_us")
     print(f"{'rank':>4} {'workload':>9} {'B':>3} " + " ".join(f"{c[:-3]:>12}" for c in cols) + "  ours/vllm")
     for r in result["rows"]:
         ratio = r["ours_us"] / r["vllm_us"] if r.get("vllm_us") else float("nan")
@@ -223,14 +229,15 @@ def plot(result, png):
 
     fig, axes = plt.subplots(len(RANKS), len(WORKLOADS), figsize=(16, 14), sharex=True)
     series = (("ours_us", "ours (CUDA, NVRTC)"), ("vllm_us", "vLLM Triton"), ("gather_bmm_us", "Gather-BMM"),
-              ("loop_us", "Loop"), ("floor_us", "floor (bytes / copy bw)"))
+              ("loop_us", "Loop"), ("read_only_us", "read-only kernel, same bytes, same method"),
+              ("floor_us", "floor (bytes / copy bw)"))
     for i, rank in enumerate(RANKS):
         for j, workload in enumerate(WORKLOADS):
             ax, rows = axes[i][j], [r for r in result["rows"] if r["rank"] == rank and r["workload"] == workload]
             for key, label in series:
                 if all(key in r for r in rows):
                     ax.plot([r["batch"] for r in rows], [r[key] for r in rows], marker="o", label=label,
-                            linestyle="--" if key == "floor_us" else "-")
+                            linestyle="--" if key in ("floor_us", "read_only_us") else "-")
             ax.axhline(result["meta"]["null_graph_us"], color="grey", linestyle=":", label="graph of one empty kernel")
             ax.set(xscale="log", yscale="log", title=f"r={rank} {workload}", xticks=BATCHES)
             ax.set_xticklabels(BATCHES)
