@@ -1,9 +1,10 @@
 // Thread-block-cluster primitives (sm_90): barriers and distributed shared memory.
 #pragma once
 
-// Split barrier: arrive releases this block's shared-memory writes to the
-// cluster, wait acquires everyone else's. Every thread of every block calls both.
-// The release waits for all the thread's earlier memory accesses, loads in flight too.
+// Split barrier: every thread of every block arrives, then waits. A releasing arrive
+// publishes the shared-memory writes that precede it (cumulatively: also those other
+// threads ordered before it with __syncthreads); wait acquires everyone else's. The
+// release waits for all the thread's earlier memory accesses, loads in flight too.
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }

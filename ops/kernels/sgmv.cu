@@ -85,14 +85,13 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
     constexpr int U = cmax(1, cmin(8, LOADS / (2 * MT + TL::NTG)));
     shrink_partial<T, RMAX, MT, W, U>(a, pc, ks, part, reinterpret_cast<float*>(scratch));
     TRACE(3)
-    // The arrive's release waits for every earlier access of the thread, loads included:
-    // the expand's loads are issued after it, so they fly while the cluster gathers. It is
-    // also a fence per warp: where no warp holds loads (not EARLY), one warp releases the
-    // partial, which shrink_partial's closing __syncthreads ordered after every warp's
-    // writes, and the others arrive relaxed (H200: -0.3 to -0.6 µs at rank 64 and prefill;
-    // with EARLY loads in flight the variant measured was no better: every warp releases).
+    // The arrive's release waits for every earlier access of the thread, loads included
+    // (so the expand's loads, unless EARLY, are issued after it and fly while the cluster
+    // gathers), and costs a fence per warp: one warp releases the partial, which
+    // shrink_partial's closing __syncthreads ordered after every warp's writes, and the
+    // others arrive relaxed (H200: -0.3 to -0.6 µs at rank 64 and for prefill, same elsewhere).
     if (CLUSTER) {
-      if (EARLY || threadIdx.x >> 5 == W - 1) cluster_arrive();  // the partial is released
+      if (threadIdx.x >> 5 == W - 1) cluster_arrive();  // the partial is released to the cluster
       else cluster_arrive_relaxed();
     }
     if (MODE == FUSED && !EARLY) load_step<T, MT>(first, a, pc, first_col, cs.y);
