@@ -1,7 +1,8 @@
 """A/B comparison of add_lora kernel builds on the device, timed interleaved.
 
-    python benchmarks/sgmv_variants.py --variant base= --variant ef=SGMV_EVICT_FIRST \
-        [--variant c8=:split=8] [--read-flush] [--no-check] [--out benchmarks/results/trace_runs/NAME.json]
+    python benchmarks/sgmv_variants.py --variant base= --variant new=SOME_MACRO \
+        [--variant c8=:split=8] [--config 64,identical,512 ...] [--read-flush] [--no-check] \
+        [--out benchmarks/results/trace_runs/NAME.json]
 
 A variant is NAME=DEFINE[,DEFINE...][:option=value...]: the kernel built with those
 -D macros, and add_lora's forced options (split=N, warps=N). Each
@@ -30,6 +31,11 @@ CONFIGS = [(16, "distinct", b) for b in (1, 16, 32, 64)] + [(32, "distinct", b) 
     (64, "distinct", b) for b in (1, 16, 32)] + [
     (8, "distinct", 64), (16, "identical", 64), (64, "identical", 64), (64, "uniform", 64), (16, "uniform", 2048)]
 ROUNDS = 3
+
+
+def parse_config(text):
+    rank, workload, batch = text.split(",")
+    return int(rank), workload, int(batch)
 
 
 def parse_variant(text):
@@ -61,6 +67,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", action="append", required=True, type=parse_variant)
     ap.add_argument("--out", type=pathlib.Path)
+    ap.add_argument("--config", action="append", type=parse_config,
+                    help="RANK,WORKLOAD,BATCH to time instead of the default list (repeatable)")
     ap.add_argument("--no-check", action="store_true", help="time speed probes whose sums are wrong")
     ap.add_argument("--read-flush", action="store_true",
                     help="flush L2 by reading 256 MiB instead (clean lines): what the write-backs cost")
@@ -70,7 +78,7 @@ def main():
     if args.read_flush:
         flush = functools.partial(torch.sum, flush, dtype=torch.float32)
     rows = []
-    for rank, workload, batch in CONFIGS:
+    for rank, workload, batch in args.config or CONFIGS:
         pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
                 torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
         case = Case(rank, workload, batch, rng, pool)

@@ -25,9 +25,15 @@ _SPLIT = 8  # blocks sharing one work item: split-K in the shrink, split-N in th
 # add_lora on sm_90, measured on the H200 (benchmarks/sgmv.py's sweep, 2026-12-01):
 # blocks of 4 warps, in clusters of 16 while the grid fits ~two blocks per SM at that
 # width (up to 17 items, e.g. 16 distinct adapters), of 8 while it fits at 8 (34 items),
-# else of 4 (also best for prefill). 8-warp blocks, best before the index arrays were
-# staged in shared memory, now tie or lose.
-_FUSED_SHAPES = ((16, 4, 2.1), (8, 4, 2.1), (4, 4, float("inf")))  # (cluster width, warps, most blocks per SM)
+# else of 4. 8-warp blocks, best before the index arrays were staged in shared memory,
+# now tie or lose. (cluster width, warps, most blocks per SM), by rows per item:
+_FUSED_SHAPES = {
+    16: ((16, 4, 2.1), (8, 4, 2.1), (4, 4, float("inf"))),
+    # 32-row prefill items: every block gathers its peers' 32-row partials, so wide clusters
+    # cost more than they stream (benchmarks/sgmv_variants.py, e.g. r64 one adapter 512
+    # tokens: 35.4 µs in 16-block clusters, 24.3 in 8, 26.9 in 4)
+    32: ((8, 4, 1.5), (4, 4, float("inf"))),
+}
 _FORCEABLE_SPLITS, _FORCEABLE_WARPS = (4, 8, 16), (4, 8)
 _RMAX = (16, 32, 64, 128)
 _BIG_TILE_TOKENS = 256  # fused, from here on 32-row items: adapters re-read from L2 half as often
@@ -66,10 +72,10 @@ def all_kernel_names(arch: int) -> list[str]:
     return sorted({kernel_name(m, dt, r, t, arch, split, w)[0] for m, dt, r, t, split, w in shapes})
 
 
-def _fused_shape(items: int, device: int) -> tuple[int, int]:
-    """(cluster width, warps per block) of add_lora for a grid of `items` work items."""
+def _fused_shape(items: int, rows: int, device: int) -> tuple[int, int]:
+    """(cluster width, warps per block) of add_lora for a grid of `items` work items of `rows` rows."""
     sms = _sm_count(device)
-    return next((s, w) for s, w, per_sm in _FUSED_SHAPES if items * s <= per_sm * sms)
+    return next((s, w) for s, w, per_sm in _FUSED_SHAPES[rows] if items * s <= per_sm * sms)
 
 
 @functools.cache
@@ -86,7 +92,7 @@ def _arch(device_index: int) -> int:
 def fused_kernel_names(dtype: torch.dtype, max_rank: int, arch: int) -> list[str]:
     """Every fused kernel the defaults can pick for a pool of this dtype and max rank."""
     return sorted({kernel_name(FUSED, dtype, max_rank, tokens, arch, split, warps)[0]
-                   for tokens in (1, _BIG_TILE_TOKENS) for split, warps, _ in _FUSED_SHAPES})
+                   for tokens, rows in ((1, 16), (_BIG_TILE_TOKENS, 32)) for split, warps, _ in _FUSED_SHAPES[rows]})
 
 
 def warm_up(dtype: torch.dtype, max_rank: int, device) -> None:
@@ -136,7 +142,7 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
         return None
     rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch)[2]
     items = nseg + (tokens + rows - 1) // rows
-    shape = _fused_shape(items, dev.index) if mode == FUSED else (_SPLIT, 4)
+    shape = _fused_shape(items, rows, dev.index) if mode == FUSED else (_SPLIT, 4)
     split = shape[0] if split is None else split
     warps = shape[1] if warps is None else warps
     name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps)
@@ -204,8 +210,8 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
     y.stride(0)); x: [tokens, h_in]; A: [slots, max_rank, h_in];
     B: [slots, max_rank, h_out]. v never leaves the chip, so no scratch is
     needed; pass v (float32 [tokens, >= max_rank]) to also receive x @ A.T as
-    sgmv_shrink writes it. split (cluster width) and warps (per block) override the measured defaults (for the benchmark's
-    sweep and the tests). Returns y.
+    sgmv_shrink writes it. split (cluster width) and warps (per block) override
+    the measured defaults (for the benchmark's sweep and the tests). Returns y.
     """
     if not x.is_cuda:
         if v is not None:
