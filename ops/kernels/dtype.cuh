@@ -59,9 +59,9 @@ __device__ __forceinline__ uint4 ldg16(const void* p, bool ok) {
 }
 
 // Adapter weights (A, B): each line is read once per call, so it is marked first to go
-// from L2 (evict_first) and skips L1. Other tenants' lines (activations, the KV cache)
-// stay, and after a flood of writes the next miss in a set evicts one of these clean
-// lines rather than writing a dirty one back (measured on the H200: up to -10% at 32 MiB).
+// from L2 (evict_first) and skips L1: other tenants' lines (activations, the KV cache)
+// stay. Measured on the H200 behind the benchmark's write flush: -3 to -10% from 16 MiB
+// of weights up (likely the later misses evict these clean lines, not dirty ones).
 __device__ __forceinline__ uint4 ldg16_stream(const void* p, bool ok) {
   if (!ok) return make_uint4(0, 0, 0, 0);
   uint4 r;
