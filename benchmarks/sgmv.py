@@ -75,6 +75,11 @@ class Case:
         """split / warps None: the defaults; forced for the sweep."""
         sgmv.add_lora(self.y, self.x, self.A, self.B, *self.segs(), self.scales, split=split, warps=warps)
 
+    def plan(self, **force):
+        """add_lora's launch for this batch (split / warps forced or the defaults)."""
+        return sgmv.launch_plan(sgmv.FUSED, self.batch, x=self.x, y=self.y, A=self.A, B=self.B, indptr=self.indptr,
+                                slot_ids=self.slot_ids, ranks=self.ranks, scales=self.scales, **force)
+
     def ours_2launch(self):
         sgmv.sgmv_shrink(self.v, self.x, self.A, *self.segs())
         sgmv.sgmv_expand(self.y, self.v, self.B, *self.segs(), self.scales)
@@ -119,16 +124,21 @@ def copy_bandwidth():
     return 2 * 4 * src.numel() / (us * 1e-6)
 
 
-def check(case):
-    """ours must equal the Loop baseline before its time is worth reporting."""
+def rel_err(case, fn):
+    """Relative error of fn's add-on to y against the Loop baseline's; y is left as it was."""
     y0 = case.y.clone()
-    case.ours()
+    fn()
     ours = case.y.float() - y0.float()
     case.y.copy_(y0)
     case.loop()
     ref = case.y.float() - y0.float()
     case.y.copy_(y0)
-    err = float((ours - ref).norm() / ref.norm())
+    return float((ours - ref).norm() / ref.norm())
+
+
+def check(case):
+    """ours must equal the Loop baseline before its time is worth reporting."""
+    err = rel_err(case, case.ours)
     assert err < 2e-2, f"r={case.rank} B={case.batch}: rel err {err:.1e}"
 
 

@@ -23,7 +23,7 @@ from cuda.bindings import driver
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.sgmv import H, POOL, Case, time_graph  # noqa: E402
-from ops import launch, nvrtc, sgmv  # noqa: E402
+from ops import launch, nvrtc  # noqa: E402
 
 CONFIGS = [(16, 1), (16, 16), (16, 32), (16, 64), (32, 16), (32, 32), (64, 16), (64, 32)]  # (rank, batch), Distinct
 PHASES = ("item found", "rank known", "shrink partial", "cluster sync", "v reduced", "expand start",
@@ -38,14 +38,9 @@ def _drv(result):
     return rest[0] if len(rest) == 1 else rest
 
 
-def plan(case):
-    return sgmv.launch_plan(sgmv.FUSED, case.batch, x=case.x, y=case.y, A=case.A, B=case.B, indptr=case.indptr,
-                            slot_ids=case.slot_ids, ranks=case.ranks, scales=case.scales)
-
-
 def trace_once(case, func, buf, nbytes, flush):
     """Per block: [entry ns, cycles at each phase (0: not reached), exit ns] of one launch."""
-    p = plan(case)
+    p = case.plan()
     assert p.blocks <= 4096, "sgmv_trace holds 4096 blocks"
     _drv(driver.cuMemsetD8(buf, 0, nbytes))
     flush.zero_()
@@ -84,7 +79,7 @@ def main():
         pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
                 torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
         case = Case(rank, "distinct", batch, rng, pool)
-        p = plan(case)
+        p = case.plan()
         plain = nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines)
         graph_us = time_graph(lambda: launch.launch(plain, p.blocks, p.threads, p.args, p.device), flush)
         func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, (*defines, "-DSGMV_TRACE"))

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.sgmv import H, POOL, Case, time_graph  # noqa: E402
-from ops import launch, nvrtc, sgmv  # noqa: E402
+from benchmarks.sgmv import H, POOL, Case, rel_err, time_graph  # noqa: E402
+from ops import launch, nvrtc  # noqa: E402
 
 CONFIGS = [(16, "distinct", b) for b in (1, 16, 32, 64)] + [(32, "distinct", b) for b in (16, 32, 64)] + [
     (64, "distinct", b) for b in (1, 16, 32)] + [
@@ -46,21 +46,9 @@ def parse_variant(text):
 
 
 def runner(case, defines, force):
-    p = sgmv.launch_plan(sgmv.FUSED, case.batch, x=case.x, y=case.y, A=case.A, B=case.B, indptr=case.indptr,
-                         slot_ids=case.slot_ids, ranks=case.ranks, scales=case.scales, **force)
+    p = case.plan(**force)
     func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines)
     return lambda: launch.launch(func, p.blocks, p.threads, p.args, p.device)
-
-
-def rel_err(case, fn):
-    y0 = case.y.clone()
-    fn()
-    ours = case.y.float() - y0.float()
-    case.y.copy_(y0)
-    case.loop()
-    ref = case.y.float() - y0.float()
-    case.y.copy_(y0)
-    return float((ours - ref).norm() / ref.norm())
 
 
 def main():

@@ -91,8 +91,11 @@ def _arch(device_index: int) -> int:
 
 def fused_kernel_names(dtype: torch.dtype, max_rank: int, arch: int) -> list[str]:
     """Every fused kernel the defaults can pick for a pool of this dtype and max rank."""
-    return sorted({kernel_name(FUSED, dtype, max_rank, tokens, arch, split, warps)[0]
-                   for tokens, rows in ((1, 16), (_BIG_TILE_TOKENS, 32)) for split, warps, _ in _FUSED_SHAPES[rows]})
+    names = set()
+    for tokens in (1, _BIG_TILE_TOKENS):
+        rows = kernel_name(FUSED, dtype, max_rank, tokens, arch)[2]
+        names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, w)[0] for s, w, _ in _FUSED_SHAPES[rows]}
+    return sorted(names)
 
 
 def warm_up(dtype: torch.dtype, max_rank: int, device) -> None:
