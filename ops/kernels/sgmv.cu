@@ -53,8 +53,27 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   auto vh = reinterpret_cast<T(*)[TL::RP]>(scratch);
 
   __shared__ IndexStage index;
+  constexpr bool PIPE = MT == 1 && RMAX <= (W == 8 ? 16 : 32);  // as registers allow
+  // 16-byte loads in flight per lane, as the register cap allows without spills (ptxas -v,
+  // tests/test_kernels_compile.py); the shrink kernel alone keeps more addresses live
+  constexpr int BUDGET = W == 8 ? 16 : MT == 1 && SPLIT <= 4 ? (MODE == SHRINK ? 28 : 30) : 24;
+  // Decode tiles, where registers allow: the expand's first loads (B does not depend on v)
+  // fly with the shrink's. (Streaming all of B beside A through shared memory was slower:
+  // benchmarks/results/trace_runs.)
+  constexpr bool EARLY = MODE == EXPAND || (MODE == FUSED && MT == 1 && 2 * TL::STEP_LOADS <= BUDGET);
+  // Early-loading tiles push each block's partial of v into every peer (st.async, counted by
+  // the peer's mbarrier) where the copies fit, so neither a cluster barrier nor a remote read
+  // lies between the last partial and the expand (H200: -0.1 to -0.4 µs at ranks 16 and 32).
+  // Not the others: with the expand's loads issued after the shrink, it was slower (rank 64
+  // Distinct B=16: +0.6 µs; benchmarks/results/trace_runs/variants_async_push.json).
+  constexpr bool PUSH = CLUSTER && EARLY;
+  __shared__ unsigned long long pushed;  // PUSH: the bytes the peers' partials have landed
 
   TRACE_START
+  if (PUSH) {
+    if (threadIdx.x == 0) mbar_init(&pushed);
+    cluster_arrive_relaxed();  // waited for before the first push: peers must have started
+  }
   const int crank = blockIdx.x % SPLIT;
   StagedLoads<32 * W> staged;  // in flight during the segment search
   staged.issue(a.slot_ids, a.nseg, a.ranks, a.scales, a.slots);
@@ -67,14 +86,11 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   if (!adapter_rank(a.ranks, a.scales, index, a.max_rank, pc)) return;
   TRACE(2)
   const int2 ks = share(a.h_in, 32, crank, SPLIT), cs = share(a.h_out, 64, crank, SPLIT);
-  constexpr bool PIPE = MT == 1 && RMAX <= (W == 8 ? 16 : 32);  // as registers allow
-  // 16-byte loads in flight per lane, as the register cap allows without spills (ptxas -v,
-  // tests/test_kernels_compile.py); the shrink kernel alone keeps more addresses live
-  constexpr int BUDGET = W == 8 ? 16 : MT == 1 && SPLIT <= 4 ? (MODE == SHRINK ? 28 : 30) : 24;
-  // Decode tiles, where registers allow: the expand's first loads (B does not depend on v)
-  // fly with the shrink's. (Streaming all of B beside A through shared memory was slower:
-  // benchmarks/results/trace_runs.)
-  constexpr bool EARLY = MODE == EXPAND || (MODE == FUSED && MT == 1 && 2 * TL::STEP_LOADS <= BUDGET);
+  const bool push = PUSH && SPLIT * pc.rows <= TL::M;  // the SPLIT copies of the partial fit in part
+  if (push && threadIdx.x == 0) {
+    constexpr int NG = TL::NTG * 8;  // rank columns per shrink pass, each pushed whole
+    mbar_expect_tx(&pushed, SPLIT * ((pc.rank + NG - 1) / NG) * pc.rows * NG * sizeof(float));
+  }
   StepLoads<MT, TL::KC> first;
   const int first_col = cs.x + (threadIdx.x >> 5) * 64;
   if (EARLY) load_step<T, MT>(first, a, pc, first_col, cs.y);
@@ -83,22 +99,25 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   } else {
     constexpr int LOADS = BUDGET - (EARLY ? TL::STEP_LOADS : 0);
     constexpr int U = cmax(1, cmin(8, LOADS / (2 * MT + TL::NTG)));
-    shrink_partial<T, RMAX, MT, W, U>(a, pc, ks, part, reinterpret_cast<float*>(scratch));
+    shrink_partial<T, RMAX, MT, W, U, SPLIT, PUSH>(a, pc, ks, part, reinterpret_cast<float*>(scratch), push, crank,
+                                                   &pushed);
     TRACE(3)
     // The arrive's release waits for every earlier access of the thread, loads included
     // (so the expand's loads, unless EARLY, are issued after it and fly while the cluster
     // gathers), and costs a fence per warp: one warp releases the partial, which
     // shrink_partial's closing __syncthreads ordered after every warp's writes, and the
     // others arrive relaxed (H200: -0.3 to -0.6 µs at rank 64 and for prefill, same elsewhere).
-    if (CLUSTER) {
+    const bool pull = CLUSTER && !push;
+    if (pull) {
       if (threadIdx.x >> 5 == W - 1) cluster_arrive();  // the partial is released to the cluster
       else cluster_arrive_relaxed();
     }
     if (MODE == FUSED && !EARLY) load_step<T, MT>(first, a, pc, first_col, cs.y);
-    if (CLUSTER) cluster_wait();  // every block's partial is visible
+    if (pull) cluster_wait();  // every block's partial is visible
+    if (push) mbar_wait(&pushed, 0);  // every block's partial has landed here
     TRACE(4)
-    reduce_partials<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, part, vh, MODE == FUSED);
-    if (CLUSTER) cluster_arrive_relaxed();  // done reading the peers' partials
+    reduce_partials<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, part, vh, MODE == FUSED, push);
+    if (pull) cluster_arrive_relaxed();  // done reading the peers' partials
     TRACE(5)
   }
   if (MODE != SHRINK) {
@@ -107,7 +126,7 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
     expand_tile<T, RMAX, MT, W, PIPE>(a, pc, cs, vh, first);
     TRACE(7)
   }
-  if (CLUSTER) cluster_wait();  // peers may still read our partials until here
+  if (CLUSTER && !push) cluster_wait();  // peers may still read our partials until here
   TRACE(8)
   TRACE_END
 }

@@ -10,10 +10,31 @@
 #include "dtype.cuh"
 #include "segments.cuh"
 
+// The block's partial of rank columns [n0, n0 + NG) (its warps' partials summed in the same
+// fixed order as in shrink_partial) stored into every peer's part, rows
+// [crank * rows, (crank + 1) * rows), counted by the peer's mbarrier `bar`.
+template <int M, int NG, int SPLIT, int W, int RMAX>
+__device__ __forceinline__ void push_partial(const float* red, float (*part)[RMAX], int rows, int n0, int crank,
+                                             unsigned long long* bar) {
+  constexpr int Q = NG / 4;
+  for (int e = threadIdx.x; e < rows * Q * SPLIT; e += 32 * W) {
+    const int c = e % SPLIT, row = e / SPLIT / Q, col = e / SPLIT % Q * 4;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int ww = 0; ww < W; ++ww) {
+      const float4 p = *reinterpret_cast<const float4*>(&red[(ww * M + row) * NG + col]);
+      s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
+    }
+    st_async_f4(dsmem_addr(&part[crank * rows + row][n0 + col], c), s, dsmem_addr(bar, c));
+  }
+}
+
 // Shrink partial of this block's k-share: part[m][n] = sum_k x[m][k] * A[n][k].
-template <class T, int RMAX, int MT, int W, int U>
-__device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& pc, int2 ks,
-                                               float (*part)[RMAX], float* red) {
+// PUSH kernels (sgmv_body): the first pass waits at the cluster barrier the block arrived
+// at on entry; with `push` the partial goes to the peers (push_partial) instead of part.
+template <class T, int RMAX, int MT, int W, int U, int SPLIT, bool PUSH>
+__device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& pc, int2 ks, float (*part)[RMAX],
+                                               float* red, bool push, int crank, unsigned long long* bar) {
   using TL = Tile<T, RMAX, MT, W>;
   constexpr int NTG = TL::NTG, M = TL::M;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
@@ -65,22 +86,28 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
           red[(w * M + row) * NG + col] = acc[mt][nt][c];
         }
     __syncthreads();
-    for (int e = threadIdx.x; e < pc.rows * NG; e += 32 * W) {
-      float s = 0.f;
+    if (PUSH && n0 == 0) cluster_wait();  // every peer has started and initialised its mbarrier
+    if (push) {
+      push_partial<M, NG, SPLIT, W>(red, part, pc.rows, n0, crank, bar);
+    } else {
+      for (int e = threadIdx.x; e < pc.rows * NG; e += 32 * W) {
+        float s = 0.f;
 #pragma unroll
-      for (int ww = 0; ww < W; ++ww) s += red[ww * M * NG + e];
-      part[e / NG][n0 + e % NG] = s;
+        for (int ww = 0; ww < W; ++ww) s += red[ww * M * NG + e];
+        part[e / NG][n0 + e % NG] = s;
+      }
     }
     __syncthreads();
   }
 }
 
-// v tile = sum over the SPLIT blocks' partials (distributed shared memory when
-// SPLIT > 1); lands in vh (activation dtype, MMA operand) and optionally in v.
+// v tile = sum over the SPLIT blocks' partials (read from the peers' shared memory, or
+// from the copies they pushed into ours); lands in vh (activation dtype, MMA operand) and
+// optionally in v.
 template <class T, int RMAX, int MT, int SPLIT, int W, class VT>
 __device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& pc, int crank,
                                                 float (*part)[RMAX], T (*vh)[Tile<T, RMAX, MT>::RP],
-                                                bool keep_vh) {
+                                                bool keep_vh, bool push) {
   const int rr = (pc.rank + 15) & ~15, quads = rr / 4;
   VT* v = static_cast<VT*>(a.v);
   // Rows past the piece are left as they are: an MMA row only feeds its own output row,
@@ -90,8 +117,9 @@ __device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& 
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int c = 0; c < SPLIT; ++c) {
-      const float4 p = SPLIT > 1 ? ld_dsmem_f4(dsmem_addr(&part[m][n], c))
-                                 : *reinterpret_cast<const float4*>(&part[m][n]);
+      const float4 p = SPLIT == 1 ? *reinterpret_cast<const float4*>(&part[m][n])
+                       : push     ? *reinterpret_cast<const float4*>(&part[c * pc.rows + m][n])
+                                  : ld_dsmem_f4(dsmem_addr(&part[m][n], c));
       s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
     }
     const float sv[4] = {s.x, s.y, s.z, s.w};
