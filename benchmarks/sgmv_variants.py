@@ -60,11 +60,14 @@ def main():
     ap.add_argument("--no-check", action="store_true", help="time speed probes whose sums are wrong")
     ap.add_argument("--read-flush", action="store_true",
                     help="flush L2 by reading 256 MiB instead (clean lines): what the write-backs cost")
+    ap.add_argument("--no-flush", action="store_true", help="leave L2 hot: what the DRAM round trips cost")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     flush = torch.ones(128 * 2**20, dtype=torch.float16, device="cuda")
     if args.read_flush:
         flush = functools.partial(torch.sum, flush, dtype=torch.float32)
+    if args.no_flush:  # the GPU still waits in a spin kernel, so the host's launch is not timed
+        flush = functools.partial(torch.cuda._sleep, 100_000)
     rows = []
     for rank, workload, batch in args.config or CONFIGS:
         pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
