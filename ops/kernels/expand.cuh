@@ -123,8 +123,11 @@ __device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, 
   const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
   for (int s = w; s < nsteps; s += W) {
     const int cb = cs.x + s * 64;
+    // A warp's last step computes no further addresses: with v ready, the expand is a chain
+    // of dependent instructions (decode: one step per warp), not a wait for memory.
+    const bool more = s + W < nsteps;
     StepLoads<MT, KC> next;
-    if (PIPE) load_step<T, MT>(next, a, pc, cb + W * 64, cs.y);  // masked off past the share
+    if (PIPE && more) load_step<T, MT>(next, a, pc, cb + W * 64, cs.y);
     float acc[MT][8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < KC; ++kk) {
@@ -139,6 +142,7 @@ __device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, 
       mma_k16<T, RMAX, MT>(acc, br, vh, kk);
     }
     store_step<T, MT>(a, pc, cur.y, acc, cb, cs.y);
+    if (!more) break;
     if (PIPE) cur = next;
     else load_step<T, MT>(cur, a, pc, cb + W * 64, cs.y);
   }

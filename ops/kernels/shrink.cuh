@@ -101,25 +101,25 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
   }
 }
 
-// v tile = sum over the SPLIT blocks' partials (read from the peers' shared memory, or
-// from the copies they pushed into ours); lands in vh (activation dtype, MMA operand) and
-// optionally in v.
-template <class T, int RMAX, int MT, int SPLIT, int W, class VT>
-__device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& pc, int crank,
-                                                float (*part)[RMAX], T (*vh)[Tile<T, RMAX, MT>::RP],
-                                                bool keep_vh, bool push) {
-  const int rr = (pc.rank + 15) & ~15, quads = rr / 4;
+// v tile = sum over the SPLIT blocks' partials, partial c of element (m, n..n+3) read by
+// `peer(c, m, n)`; lands in vh (activation dtype, MMA operand) and optionally in v.
+// Indexed by compile-time quads per row, and one loop per source (reduce_partials), so
+// the few threads on this latency-bound path run no division and no untaken loads.
+template <class T, int RMAX, int MT, int SPLIT, int W, class VT, class Peer>
+__device__ __forceinline__ void reduce_rows(const SgmvArgs& a, const Piece& pc, int crank,
+                                            T (*vh)[Tile<T, RMAX, MT>::RP], bool keep_vh, Peer peer) {
+  constexpr int Q = RMAX / 4;
+  const int rr = (pc.rank + 15) & ~15;
   VT* v = static_cast<VT*>(a.v);
   // Rows past the piece are left as they are: an MMA row only feeds its own output row,
   // and those are never stored (Distinct: 1 row in 16, so 1/16 of the remote reads).
-  for (int e = threadIdx.x; e < pc.rows * quads; e += 32 * W) {
-    const int m = e / quads, n = (e % quads) * 4;
+  for (int e = threadIdx.x; e < pc.rows * Q; e += 32 * W) {
+    const int m = e / Q, n = e % Q * 4;
+    if (n >= rr) continue;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int c = 0; c < SPLIT; ++c) {
-      const float4 p = SPLIT == 1 ? *reinterpret_cast<const float4*>(&part[m][n])
-                       : push     ? *reinterpret_cast<const float4*>(&part[c * pc.rows + m][n])
-                                  : ld_dsmem_f4(dsmem_addr(&part[m][n], c));
+      const float4 p = peer(c, m, n);
       s.x += p.x, s.y += p.y, s.z += p.z, s.w += p.w;
     }
     const float sv[4] = {s.x, s.y, s.z, s.w};
@@ -134,4 +134,18 @@ __device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& 
         if (n + i < pc.rank) store_float(out + i, sv[i]);
     }
   }
+}
+
+// The partials are read from this block's part (one block, or the copies the peers pushed)
+// or from the peers' shared memory.
+template <class T, int RMAX, int MT, int SPLIT, int W, class VT>
+__device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& pc, int crank,
+                                                float (*part)[RMAX], T (*vh)[Tile<T, RMAX, MT>::RP],
+                                                bool keep_vh, bool push) {
+  auto local = [&](int c, int m, int n) {
+    return *reinterpret_cast<const float4*>(&part[SPLIT == 1 ? m : c * pc.rows + m][n]);
+  };
+  auto remote = [&](int c, int m, int n) { return ld_dsmem_f4(dsmem_addr(&part[m][n], c)); };
+  if (SPLIT == 1 || push) reduce_rows<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, vh, keep_vh, local);
+  else reduce_rows<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, vh, keep_vh, remote);
 }
