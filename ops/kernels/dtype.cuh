@@ -63,12 +63,15 @@ __device__ __forceinline__ uint4 ldg16(const void* p, bool ok) {
 // stay. Measured on the H200 behind the benchmark's write flush: -3 to -10% from 16 MiB
 // of weights up (likely the later misses evict these clean lines, not dirty ones).
 __device__ __forceinline__ uint4 ldg16_stream(const void* p, bool ok) {
-  if (!ok) return make_uint4(0, 0, 0, 0);
+  // Predicated inside the asm: as a branch around each load it cost ~15 instructions (the
+  // policy recreated in each branch) on the latency-bound path to the first A load
+  // (H200: -0.1 to -0.7 µs from rank 32 up; trace_runs/variants_stream_predicated.json).
   uint4 r;
   unsigned long long policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+  asm("{\n .reg .pred q;\n setp.ne.b32 q, %6, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
+      " mov.b32 %3, 0;\n @q ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n}\n"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p), "l"(policy));
+      : "l"(p), "l"(policy), "r"(static_cast<int>(ok)));
   return r;
 }
