@@ -4,8 +4,9 @@
         [--variant c8=:split=8] [--config 64,identical,512 ...] [--read-flush] [--no-check] \
         [--out benchmarks/results/trace_runs/NAME.json]
 
-A variant is NAME=DEFINE[,DEFINE...][:option=value...]: the kernel built with those
--D macros, and add_lora's forced options (split=N, warps=N). Each
+A variant is NAME=DEFINE[,DEFINE...][:option=value...][@KERNEL_DIR]: the kernel built with
+those -D macros (from KERNEL_DIR's sources, e.g. an older commit's ops/kernels, instead of
+the tree's), and add_lora's forced options (split=N, warps=N). Each
 configuration's variants are timed as benchmarks/sgmv.py times them (graph replay
 behind the 256 MiB L2 flush, median of 100), in ROUNDS interleaved rounds so the
 machine's drift hits all alike; after each variant's first run its output is
@@ -14,11 +15,13 @@ wrong sums on purpose). --read-flush flushes L2 with a 256 MiB read instead of
 the write, so L2 holds clean lines: the difference is what write-backs cost.
 """
 import argparse
+import contextlib
 import functools
 import json
 import math
 import pathlib
 import sys
+import zlib
 
 import numpy as np
 import torch
@@ -40,14 +43,35 @@ def parse_config(text):
 
 def parse_variant(text):
     name, _, spec = text.partition("=")
+    spec, _, kernel_dir = spec.partition("@")
     defines, _, opts = spec.partition(":")
     force = {k: int(v) for k, v in (kv.split("=") for kv in opts.split(",") if kv)}
-    return name, tuple(f"-D{d}" for d in defines.split(",") if d), force
+    defines = tuple(f"-D{d}" for d in defines.split(",") if d)
+    if kernel_dir:  # the define keeps its compiled kernels apart in nvrtc's caches
+        defines += (f"-DSGMV_KERNEL_DIR_{zlib.crc32(kernel_dir.encode())}",)
+    return name, defines, force, kernel_dir
 
 
-def runner(case, defines, force):
+@contextlib.contextmanager
+def kernel_sources(kernel_dir):
+    """nvrtc compiles from `kernel_dir` (e.g. a commit's ops/kernels, `git archive`d) meanwhile."""
+    if not kernel_dir:
+        yield
+        return
+    saved = nvrtc.KERNEL_DIR
+    nvrtc.KERNEL_DIR = pathlib.Path(kernel_dir).resolve()
+    nvrtc._sources_digest.cache_clear()
+    try:
+        yield
+    finally:
+        nvrtc.KERNEL_DIR = saved
+        nvrtc._sources_digest.cache_clear()
+
+
+def runner(case, defines, force, kernel_dir):
     p = case.plan(**force)
-    func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines)
+    with kernel_sources(kernel_dir):
+        func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines)
     return lambda: launch.launch(func, p.blocks, p.threads, p.args, p.device)
 
 
@@ -73,7 +97,7 @@ def main():
         pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
                 torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
         case = Case(rank, workload, batch, rng, pool)
-        fns = {name: runner(case, d, f) for name, d, f in args.variant}
+        fns = {name: runner(case, d, f, k) for name, d, f, k in args.variant}
         errs = {name: rel_err(case, fn) for name, fn in fns.items()}
         assert args.no_check or max(errs.values()) < 2e-2, errs
         times = {name: [] for name in fns}
@@ -83,8 +107,8 @@ def main():
         rows.append(dict(rank=rank, workload=workload, batch=batch, rel_err=errs,
                          us={n: float(np.median(t)) for n, t in times.items()}, rounds=times))
         del pool, case
-    names = [n for n, _, _ in args.variant]
-    print("variants:", {n: (d, f) for n, d, f in args.variant})
+    names = [n for n, *_ in args.variant]
+    print("variants:", {n: (d, f, k) for n, d, f, k in args.variant})
     print(f"{'r':>3} {'workload':>9} {'B':>5} " + " ".join(f"{n:>10}" for n in names))
     for r in rows:
         print(f"{r['rank']:>3} {r['workload']:>9} {r['batch']:>5} " + " ".join(f"{r['us'][n]:10.2f}" for n in names))

@@ -116,6 +116,8 @@ def _check(x, pool, y, v, segs, y_offset=0):
         raise ValueError("pools must be contiguous, x and y rows unit-stride")
     if pool.shape[-1] % 8 or x.stride(0) % 8 or y.stride(0) % 8 or y_offset % 8:
         raise ValueError("h, row strides and y_offset must be multiples of 8 elements")
+    if 32 * y.stride(0) >= 2**31 or pool.shape[1] * pool.shape[2] >= 2**31:
+        raise ValueError("a 32-row tile of y or one pool slot spans 2**31 elements or more")  # int offsets in kernels
     for t, dt in zip(segs, (torch.int32, torch.int32, torch.int32, torch.float32)):
         if t.dtype != dt or not t.is_contiguous() or t.device != pool.device:
             raise TypeError(f"indptr, slot_ids, ranks, scales must be contiguous {dt} on {pool.device}")

@@ -58,6 +58,12 @@ __device__ __forceinline__ uint4 ldg16(const void* p, bool ok) {
   return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
 }
 
+// 16-byte store. Spelled out: from ExpandLanes' addresses the compiler split some plain
+// uint4 stores into four 4-byte ones (benchmarks/results/trace_runs/variants_expand_lanes.json).
+__device__ __forceinline__ void stg16(void* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
 // Adapter weights (A, B): each line is read once per call, so it is marked first to go
 // from L2 (evict_first) and skips L1: other tenants' lines (activations, the KV cache)
 // stay. Measured on the H200 behind the benchmark's write flush: -3 to -10% from 16 MiB

@@ -30,13 +30,32 @@ struct StepLoads {
   uint4 b[KC][4];     // per chunk kk: B rows 16kk + 2q, 2q+1, 2q+8, 2q+9, columns 8g..
 };
 
+// A lane's addresses in every expand step: y at row pc.start + g, column 16q, and B[slot]
+// at row 2q, column 8g, each plus the step's first column. Other rows are element offsets
+// fixed per kernel, so a step's loads and stores cost an add each, not a 64-bit product
+// (after v the expand is a chain of dependent instructions). ops/sgmv.py bounds the
+// offsets to int.
 template <class T>
-__device__ __forceinline__ void load_b_k16(uint4 (&br)[4], const T* B, int h_out, int rank, int kk, int cb, int cend) {
+struct ExpandLanes {
+  T* y;
+  const T* b;
+  int y_stride, h_out;
+  __device__ __forceinline__ ExpandLanes(const SgmvArgs& a, const Piece& pc) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    y = static_cast<T*>(a.y) + (long long)(pc.start + g) * a.y_stride + 16 * q;
+    b = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot + (long long)(2 * q) * a.h_out + 8 * g;
+    y_stride = static_cast<int>(a.y_stride), h_out = a.h_out;
+  }
+};
+
+template <class T>
+__device__ __forceinline__ void load_b_k16(uint4 (&br)[4], const ExpandLanes<T>& ln, int rank, int kk, int cb,
+                                           int cend) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int k = kk * 16 + 2 * q + (i & 1) + (i >> 1) * 8, col = cb + 8 * g;
-    br[i] = ldg16_stream(B + (long long)k * h_out + col, k < rank && col < cend);
+    const int dk = kk * 16 + (i & 1) + (i >> 1) * 8;  // row 2q + dk
+    br[i] = ldg16_stream(ln.b + cb + dk * ln.h_out, 2 * q + dk < rank && cb + 8 * g < cend);
   }
 }
 
@@ -53,15 +72,20 @@ __device__ __forceinline__ void for_y_pieces(int cb, F f) {
       for (int hf = 0; hf < 2; ++hf) f(mt, h, hf, mt * 16 + h * 8 + g, cb + 16 * q + 8 * hf);
 }
 
+// The lane's 16-byte piece (mt, h, hf) of the y tile at step column cb.
+template <class T>
+__device__ __forceinline__ T* y_piece(const ExpandLanes<T>& ln, int cb, int mt, int h, int hf) {
+  return ln.y + cb + (mt * 16 + h * 8) * ln.y_stride + 8 * hf;
+}
+
 template <class T, int MT, int KC>
-__device__ __forceinline__ void load_step(StepLoads<MT, KC>& st, const SgmvArgs& a, const Piece& pc, int cb, int cend) {
-  const T* y = static_cast<const T*>(a.y) + (long long)pc.start * a.y_stride;
+__device__ __forceinline__ void load_step(StepLoads<MT, KC>& st, const ExpandLanes<T>& ln, const Piece& pc, int cb,
+                                          int cend) {
   for_y_pieces<MT>(cb, [&](int mt, int h, int hf, int row, int col) {
-    st.y[mt][h][hf] = ldg16(y + (long long)row * a.y_stride + col, row < pc.rows && col < cend);
+    st.y[mt][h][hf] = ldg16(y_piece(ln, cb, mt, h, hf), row < pc.rows && col < cend);
   });
-  const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
 #pragma unroll
-  for (int kk = 0; kk < KC; ++kk) load_b_k16(st.b[kk], B, a.h_out, pc.rank, kk, cb, cend);  // masked past the rank
+  for (int kk = 0; kk < KC; ++kk) load_b_k16(st.b[kk], ln, pc.rank, kk, cb, cend);  // masked past the rank
 }
 
 // acc += vh[:, 16kk..] @ B rows 16kk.. (columns permuted: see the top of this file).
@@ -92,9 +116,8 @@ __device__ __forceinline__ void mma_k16(float (&acc)[MT][8][4], const uint4 (&br
 
 // y = y + scale * acc, rounded once; each lane owns 16 consecutive columns of two rows.
 template <class T, int MT>
-__device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, const uint4 (&yv)[MT][2][2],
+__device__ __forceinline__ void store_step(const ExpandLanes<T>& ln, const Piece& pc, const uint4 (&yv)[MT][2][2],
                                            const float (&acc)[MT][8][4], int cb, int cend) {
-  T* y = static_cast<T*>(a.y) + (long long)pc.start * a.y_stride;
   for_y_pieces<MT>(cb, [&](int mt, int h, int hf, int row, int col) {
     if (row >= pc.rows || col >= cend) return;
     const unsigned* old = &yv[mt][h][hf].x;
@@ -106,7 +129,7 @@ __device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, c
       o[i] = DType<T>::pack(f.x + pc.scale * acc[mt][2 * i][2 * h + hf],
                             f.y + pc.scale * acc[mt][2 * i + 1][2 * h + hf]);
     }
-    *reinterpret_cast<uint4*>(y + (long long)row * a.y_stride + col) = out;
+    stg16(y_piece(ln, cb, mt, h, hf), out);
   });
 }
 
@@ -114,20 +137,19 @@ __device__ __forceinline__ void store_step(const SgmvArgs& a, const Piece& pc, c
 // `cur` holds the loads of the warp's first step, issued before v was ready.
 // PIPE (as registers allow): step s + 1 is loaded before step s is computed.
 template <class T, int RMAX, int MT, int W, bool PIPE>
-__device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, int2 cs,
+__device__ __forceinline__ void expand_tile(const ExpandLanes<T>& ln, const Piece& pc, int2 cs,
                                             const T (*vh)[Tile<T, RMAX, MT>::RP],
                                             StepLoads<MT, Tile<T, RMAX, MT, W>::KC> cur) {
   constexpr int KC = Tile<T, RMAX, MT, W>::KC;
   const int w = threadIdx.x >> 5;
   const int ksteps = (pc.rank + 15) / 16, nsteps = (cs.y - cs.x + 63) / 64;
-  const T* B = static_cast<const T*>(a.B) + (long long)pc.slot * a.b_slot;
   for (int s = w; s < nsteps; s += W) {
     const int cb = cs.x + s * 64;
     // A warp's last step computes no further addresses: with v ready, the expand is a chain
     // of dependent instructions (decode: one step per warp), not a wait for memory.
     const bool more = s + W < nsteps;
     StepLoads<MT, KC> next;
-    if (PIPE && more) load_step<T, MT>(next, a, pc, cb + W * 64, cs.y);
+    if (PIPE && more) load_step(next, ln, pc, cb + W * 64, cs.y);
     float acc[MT][8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < KC; ++kk) {
@@ -138,12 +160,12 @@ __device__ __forceinline__ void expand_tile(const SgmvArgs& a, const Piece& pc, 
     for (int kk = KC; kk < RMAX / 16; ++kk) {  // rank 128: the rest chunk by chunk
       if (kk >= ksteps) break;
       uint4 br[4];
-      load_b_k16(br, B, a.h_out, pc.rank, kk, cb, cs.y);
+      load_b_k16(br, ln, pc.rank, kk, cb, cs.y);
       mma_k16<T, RMAX, MT>(acc, br, vh, kk);
     }
-    store_step<T, MT>(a, pc, cur.y, acc, cb, cs.y);
+    store_step(ln, pc, cur.y, acc, cb, cs.y);
     if (!more) break;
     if (PIPE) cur = next;
-    else load_step<T, MT>(cur, a, pc, cb + W * 64, cs.y);
+    else load_step(cur, ln, pc, cb + W * 64, cs.y);
   }
 }

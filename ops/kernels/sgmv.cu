@@ -93,7 +93,7 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   }
   StepLoads<MT, TL::KC> first;
   const int first_col = cs.x + (threadIdx.x >> 5) * 64;
-  if (EARLY) load_step<T, MT>(first, a, pc, first_col, cs.y);
+  if (EARLY) load_step(first, ExpandLanes<T>(a, pc), pc, first_col, cs.y);
   if (MODE == EXPAND) {
     load_v<T, RMAX, MT, W, VT>(a, pc, vh);
   } else {
@@ -112,7 +112,7 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
       if (threadIdx.x >> 5 == W - 1) cluster_arrive();  // the partial is released to the cluster
       else cluster_arrive_relaxed();
     }
-    if (MODE == FUSED && !EARLY) load_step<T, MT>(first, a, pc, first_col, cs.y);
+    if (MODE == FUSED && !EARLY) load_step(first, ExpandLanes<T>(a, pc), pc, first_col, cs.y);
     if (pull) cluster_wait();  // every block's partial is visible
     if (push) mbar_wait(&pushed, 0);  // every block's partial has landed here
     TRACE(4)
@@ -123,7 +123,7 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   if (MODE != SHRINK) {
     __syncthreads();
     TRACE(6)
-    expand_tile<T, RMAX, MT, W, PIPE>(a, pc, cs, vh, first);
+    expand_tile<T, RMAX, MT, W, PIPE>(ExpandLanes<T>(a, pc), pc, cs, vh, first);
     TRACE(7)
   }
   if (CLUSTER && !push) cluster_wait();  // peers may still read our partials until here
