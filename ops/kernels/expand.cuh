@@ -134,25 +134,22 @@ __device__ __forceinline__ void store_step(const ExpandLanes<T>& ln, const Piece
 }
 
 // y[rows, cs] += scale * vh @ B[slot][:, cs] over this block's column share cs;
-// `cur` holds the loads of the warp's first step, issued before v was ready. DEPTH steps of
-// loads are in flight (as registers allow): step s + (DEPTH - 1) W is loaded before step s
-// is computed. A warp's last steps compute no further addresses (after v the expand is a
-// chain of dependent instructions: decode has one step per warp).
-template <class T, int RMAX, int MT, int W, int DEPTH>
+// `cur` holds the loads of the warp's first step, issued before v was ready.
+// PIPE (as registers allow): step s + 1 is loaded before step s is computed.
+template <class T, int RMAX, int MT, int W, bool PIPE>
 __device__ __forceinline__ void expand_tile(const ExpandLanes<T>& ln, const Piece& pc, int2 cs,
                                             const T (*vh)[Tile<T, RMAX, MT>::RP],
                                             StepLoads<MT, Tile<T, RMAX, MT, W>::KC> cur) {
-  constexpr int KC = Tile<T, RMAX, MT, W>::KC, AHEAD = DEPTH > 1 ? DEPTH - 1 : 1;
+  constexpr int KC = Tile<T, RMAX, MT, W>::KC;
   const int w = threadIdx.x >> 5;
   const int ksteps = (pc.rank + 15) / 16, nsteps = (cs.y - cs.x + 63) / 64;
-  StepLoads<MT, KC> ahead[AHEAD];  // steps s + W, ..., s + (DEPTH - 1) W
-#pragma unroll
-  for (int d = 0; d + 2 < DEPTH; ++d)
-    if (w + (d + 1) * W < nsteps) load_step(ahead[d], ln, pc, cs.x + (w + (d + 1) * W) * 64, cs.y);
   for (int s = w; s < nsteps; s += W) {
     const int cb = cs.x + s * 64;
+    // A warp's last step computes no further addresses: with v ready, the expand is a chain
+    // of dependent instructions (decode: one step per warp), not a wait for memory.
     const bool more = s + W < nsteps;
-    if (DEPTH > 1 && s + (DEPTH - 1) * W < nsteps) load_step(ahead[AHEAD - 1], ln, pc, cb + (DEPTH - 1) * W * 64, cs.y);
+    StepLoads<MT, KC> next;
+    if (PIPE && more) load_step(next, ln, pc, cb + W * 64, cs.y);
     float acc[MT][8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < KC; ++kk) {
@@ -168,12 +165,7 @@ __device__ __forceinline__ void expand_tile(const ExpandLanes<T>& ln, const Piec
     }
     store_step(ln, pc, cur.y, acc, cb, cs.y);
     if (!more) break;
-    if (DEPTH > 1) {
-      cur = ahead[0];
-#pragma unroll
-      for (int d = 0; d + 1 < AHEAD; ++d) ahead[d] = ahead[d + 1];
-    } else {
-      load_step(cur, ln, pc, cb + W * 64, cs.y);
-    }
+    if (PIPE) cur = next;
+    else load_step(cur, ln, pc, cb + W * 64, cs.y);
   }
 }

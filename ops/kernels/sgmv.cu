@@ -54,9 +54,6 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
 
   __shared__ IndexStage index;
   constexpr bool PIPE = MT == 1 && RMAX <= (W == 8 ? 16 : 32);  // as registers allow
-  // Expand steps in flight: 3 at rank 16 (at B=64 a warp has four steps; 2 took one round
-  // trip each), 2 where registers allow no more.
-  constexpr int DEPTH = PIPE ? (RMAX <= 16 && W == 4 ? 3 : 2) : 1;
   // 16-byte loads in flight per lane, as the register cap allows without spills (ptxas -v,
   // tests/test_kernels_compile.py); the shrink kernel alone keeps more addresses live
   constexpr int BUDGET = W == 8 ? 16 : MT == 1 && SPLIT <= 4 ? (MODE == SHRINK ? 28 : 30) : 24;
@@ -126,7 +123,7 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   if (MODE != SHRINK) {
     __syncthreads();
     TRACE(6)
-    expand_tile<T, RMAX, MT, W, DEPTH>(ExpandLanes<T>(a, pc), pc, cs, vh, first);
+    expand_tile<T, RMAX, MT, W, PIPE>(ExpandLanes<T>(a, pc), pc, cs, vh, first);
     TRACE(7)
   }
   if (CLUSTER && !push) cluster_wait();  // peers may still read our partials until here
