@@ -91,6 +91,8 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
     constexpr int NG = TL::NTG * 8;  // rank columns per shrink pass, each pushed whole
     mbar_expect_tx(&pushed, SPLIT * ((pc.rank + NG - 1) / NG) * pc.rows * NG * sizeof(float));
   }
+  // ExpandLanes is built where each use is: one copy held through the shrink cost rank 64
+  // B=16 0.4 µs (trace_runs/variants_expand_lanes_late.json).
   StepLoads<MT, TL::KC> first;
   const int first_col = cs.x + (threadIdx.x >> 5) * 64;
   if (EARLY) load_step(first, ExpandLanes<T>(a, pc), pc, first_col, cs.y);

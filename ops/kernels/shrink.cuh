@@ -142,9 +142,7 @@ template <class T, int RMAX, int MT, int SPLIT, int W, class VT>
 __device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& pc, int crank,
                                                 float (*part)[RMAX], T (*vh)[Tile<T, RMAX, MT>::RP],
                                                 bool keep_vh, bool push) {
-  auto local = [&](int c, int m, int n) {
-    return *reinterpret_cast<const float4*>(&part[SPLIT == 1 ? m : c * pc.rows + m][n]);
-  };
+  auto local = [&](int c, int m, int n) { return *reinterpret_cast<const float4*>(&part[c * pc.rows + m][n]); };
   auto remote = [&](int c, int m, int n) { return ld_dsmem_f4(dsmem_addr(&part[m][n], c)); };
   if (SPLIT == 1 || push) reduce_rows<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, vh, keep_vh, local);
   else reduce_rows<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, vh, keep_vh, remote);
