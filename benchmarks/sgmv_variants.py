@@ -6,7 +6,8 @@
 
 A variant is NAME=DEFINE[,DEFINE...][:option=value...][@KERNEL_DIR]: the kernel built with
 those -D macros (from KERNEL_DIR's sources, e.g. an older commit's ops/kernels, instead of
-the tree's), and add_lora's forced options (split=N, warps=N). Each
+the tree's), and add_lora's forced options (split=N, warps=N; extra_items=1 for a build
+before 2026-12-01's fourth session, whose item list also held row block 0). Each
 configuration's variants are timed as benchmarks/sgmv.py times them (graph replay
 behind the 256 MiB L2 flush, median of 100), in ROUNDS interleaved rounds so the
 machine's drift hits all alike; after each variant's first run its output is
@@ -69,10 +70,14 @@ def kernel_sources(kernel_dir):
 
 
 def runner(case, defines, force, kernel_dir):
+    force = dict(force)
+    extra_items = force.pop("extra_items", 0)
     p = case.plan(**force)
+    cluster = int(p.name.split(",")[3])  # the instantiation's SPLIT
+    blocks = p.blocks + extra_items * cluster
     with kernel_sources(kernel_dir):
         func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines)
-    return lambda: launch.launch(func, p.blocks, p.threads, p.args, p.device)
+    return lambda: launch.launch(func, blocks, p.threads, p.args, p.device)
 
 
 def main():

@@ -24,7 +24,7 @@ SHRINK, EXPAND, FUSED = 0, 1, 2
 _SPLIT = 8  # blocks sharing one work item: split-K in the shrink, split-N in the expand
 # add_lora on sm_90, measured on the H200 (benchmarks/sgmv.py's sweep, 2026-12-01):
 # blocks of 4 warps, in clusters of 16 while the grid fits ~two blocks per SM at that
-# width (up to 17 items, e.g. 16 distinct adapters), of 8 while it fits at 8 (34 items),
+# width (up to 17 items, e.g. 17 distinct adapters), of 8 while it fits at 8 (34 items),
 # else of 4. 8-warp blocks, best before the index arrays were staged in shared memory,
 # now tie or lose. (cluster width, warps, most blocks per SM), by rows per item:
 _FUSED_SHAPES = {
@@ -146,7 +146,7 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
     if nseg == 0 or tokens == 0:
         return None
     rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch)[2]
-    items = nseg + (tokens + rows - 1) // rows
+    items = nseg + (tokens + rows - 1) // rows - 1  # kernels/segments.cuh
     shape = _fused_shape(items, rows, dev.index) if mode == FUSED else (_SPLIT, 4)
     split = shape[0] if split is None else split
     warps = shape[1] if warps is None else warps

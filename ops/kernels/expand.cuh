@@ -133,16 +133,40 @@ __device__ __forceinline__ void store_step(const ExpandLanes<T>& ln, const Piece
   });
 }
 
-// y[rows, cs] += scale * vh @ B[slot][:, cs] over this block's column share cs;
-// `cur` holds the loads of the warp's first step, issued before v was ready.
-// PIPE (as registers allow): step s + 1 is loaded before step s is computed.
+// One 64-column step at column cb: acc = vh @ B[:, cb..] from the step's loads `st`
+// (rank 128: the chunks past KC loaded here), then y += scale * acc.
+template <class T, int RMAX, int MT, int W>
+__device__ __forceinline__ void expand_step(const ExpandLanes<T>& ln, const Piece& pc, int cb, int cend,
+                                            const T (*vh)[Tile<T, RMAX, MT>::RP],
+                                            const StepLoads<MT, Tile<T, RMAX, MT, W>::KC>& st) {
+  constexpr int KC = Tile<T, RMAX, MT, W>::KC;
+  const int ksteps = (pc.rank + 15) / 16;
+  float acc[MT][8][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < KC; ++kk) {
+    if (kk >= ksteps) break;
+    mma_k16<T, RMAX, MT>(acc, st.b[kk], vh, kk);
+  }
+#pragma unroll
+  for (int kk = KC; kk < RMAX / 16; ++kk) {
+    if (kk >= ksteps) break;
+    uint4 br[4];
+    load_b_k16(br, ln, pc.rank, kk, cb, cend);
+    mma_k16<T, RMAX, MT>(acc, br, vh, kk);
+  }
+  store_step(ln, pc, st.y, acc, cb, cend);
+}
+
+// y[rows, cs] += scale * vh @ B[slot][:, cs] over this block's column share cs, warp w
+// taking steps w, w + W, ...; `cur` holds the loads of the warp's first step, issued
+// before v was ready. PIPE (as registers allow): step s + 1 is loaded before step s is
+// computed.
 template <class T, int RMAX, int MT, int W, bool PIPE>
 __device__ __forceinline__ void expand_tile(const ExpandLanes<T>& ln, const Piece& pc, int2 cs,
                                             const T (*vh)[Tile<T, RMAX, MT>::RP],
                                             StepLoads<MT, Tile<T, RMAX, MT, W>::KC> cur) {
   constexpr int KC = Tile<T, RMAX, MT, W>::KC;
-  const int w = threadIdx.x >> 5;
-  const int ksteps = (pc.rank + 15) / 16, nsteps = (cs.y - cs.x + 63) / 64;
+  const int w = threadIdx.x >> 5, nsteps = (cs.y - cs.x + 63) / 64;
   for (int s = w; s < nsteps; s += W) {
     const int cb = cs.x + s * 64;
     // A warp's last step computes no further addresses: with v ready, the expand is a chain
@@ -150,22 +174,38 @@ __device__ __forceinline__ void expand_tile(const ExpandLanes<T>& ln, const Piec
     const bool more = s + W < nsteps;
     StepLoads<MT, KC> next;
     if (PIPE && more) load_step(next, ln, pc, cb + W * 64, cs.y);
-    float acc[MT][8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < KC; ++kk) {
-      if (kk >= ksteps) break;
-      mma_k16<T, RMAX, MT>(acc, cur.b[kk], vh, kk);
-    }
-#pragma unroll
-    for (int kk = KC; kk < RMAX / 16; ++kk) {  // rank 128: the rest chunk by chunk
-      if (kk >= ksteps) break;
-      uint4 br[4];
-      load_b_k16(br, ln, pc.rank, kk, cb, cs.y);
-      mma_k16<T, RMAX, MT>(acc, br, vh, kk);
-    }
-    store_step(ln, pc, cur.y, acc, cb, cs.y);
+    expand_step<T, RMAX, MT, W>(ln, pc, cb, cs.y, vh, cur);
     if (!more) break;
     if (PIPE) cur = next;
     else load_step(cur, ln, pc, cb + W * 64, cs.y);
+  }
+}
+
+// The loads of a warp's steps 1..DEPTH-1 (steps w + d * W) into ring[d], for expand_ring.
+template <class T, int MT, int KC, int W, int DEPTH>
+__device__ __forceinline__ void load_ring(StepLoads<MT, KC> (&ring)[DEPTH], const ExpandLanes<T>& ln,
+                                          const Piece& pc, int2 cs) {
+  const int w = threadIdx.x >> 5, nsteps = (cs.y - cs.x + 63) / 64;
+#pragma unroll
+  for (int d = 1; d < DEPTH; ++d)
+    if (w + d * W < nsteps) load_step(ring[d], ln, pc, cs.x + (w + d * W) * 64, cs.y);
+}
+
+// expand_tile's schedule with DEPTH steps' loads in flight, unrolled over a ring of DEPTH
+// buffers (ring[d] holds step w + d * W, load_ring): a buffer is refilled as soon as its
+// step is stored, with no register copy that would first wait for the next step's loads.
+template <class T, int RMAX, int MT, int W, int DEPTH>
+__device__ __forceinline__ void expand_ring(const ExpandLanes<T>& ln, const Piece& pc, int2 cs,
+                                            const T (*vh)[Tile<T, RMAX, MT>::RP],
+                                            StepLoads<MT, Tile<T, RMAX, MT, W>::KC> (&ring)[DEPTH]) {
+  const int w = threadIdx.x >> 5, nsteps = (cs.y - cs.x + 63) / 64;
+  for (int s0 = w; s0 < nsteps; s0 += DEPTH * W) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int s = s0 + d * W, cb = cs.x + s * 64;
+      if (s >= nsteps) return;
+      expand_step<T, RMAX, MT, W>(ln, pc, cb, cs.y, vh, ring[d]);
+      if (s + DEPTH * W < nsteps) load_step(ring[d], ln, pc, cb + DEPTH * W * 64, cs.y);
+    }
   }
 }

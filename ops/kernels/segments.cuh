@@ -1,11 +1,13 @@
 // Maps a work item to the rows it owns: one segment's rows inside one block of M rows.
 //
 // Items are the merge of two sorted lists, segment starts indptr[0..nseg) and
-// row-block starts 0, M, 2M, ...: every item begins where a segment or a row
-// block begins and ends at the next boundary of either. So there are at most
-// nseg + ceil(tokens / M) items, a number the host knows without reading
-// indptr, and no item spans two adapters or more than M rows. An item finds
-// its place with a 32-way search over indptr (one load round per 32x).
+// row-block starts M, 2M, ... (not 0: rows before indptr[0] belong to no
+// segment, and the first segment's item covers row 0 when indptr[0] is 0):
+// every item begins where a segment or a row block begins and ends at the next
+// boundary of either. So there are at most nseg + ceil(tokens / M) - 1 items,
+// a number the host knows without reading indptr, and no item spans two
+// adapters or more than M rows. An item finds its place with a 32-way search
+// over indptr (one load round per 32x).
 #pragma once
 
 struct Piece {
@@ -17,8 +19,9 @@ struct Piece {
 };
 
 __device__ __forceinline__ int merge_corank(const int* indptr, int nseg, int nblk, int M, int p1) {
-  // Largest i in [lo, hi] whose first p1 merged elements hold i segment starts:
-  // indptr[i-1] <= row-block start (p1 - i) * M (ties put segment starts first).
+  // Largest i in [lo, hi] whose first p1 merged elements hold i segment starts: indptr[i-1]
+  // <= the first row-block start not among them, (p1 - i + 1) * M (ties put segment starts
+  // first). nblk: row-block starts in the list.
   // Each lane tests K candidates at once, so up to 128 segments take one load round.
   constexpr int K = 4;
   const int lane = threadIdx.x & 31;
@@ -32,7 +35,7 @@ __device__ __forceinline__ int merge_corank(const int* indptr, int nseg, int nbl
       bool ok = false;
       if (c <= hi) {
         const int j = p1 - c;
-        ok = j >= nblk || __ldg(indptr + c - 1) <= j * M;
+        ok = j >= nblk || __ldg(indptr + c - 1) <= (j + 1) * M;
       }
       below += __popc(__ballot_sync(0xffffffffu, ok));
     }
@@ -88,22 +91,28 @@ __device__ __forceinline__ V staged_or_global(const V (&staged)[kStaged], const 
 
 // Segments before `item`'s end: one past the index of the segment it belongs to.
 __device__ __forceinline__ int find_segment(const int* indptr, int nseg, int tokens, int M, int item) {
-  return merge_corank(indptr, nseg, (tokens + M - 1) / M, M, item + 1);
+  return merge_corank(indptr, nseg, (tokens + M - 1) / M - 1, M, item + 1);
 }
 
-// Every warp calls this (all lanes), with i = find_segment(...); false means the item
-// has nothing to do. Fills start, rows and slot; rank and scale come from adapter_rank.
-__device__ __forceinline__ bool find_piece(const int* indptr, const int* slot_ids, const IndexStage& st, int M,
-                                           int item, int i, Piece& pc) {
-  const int j = item + 1 - i;
-  // indptr's lines are in L1 since the search; the slot id is staged (or one load).
+// Rows [start, end) of the segment the item belongs to, i = find_segment(...): loaded before
+// the staged index lands (with one row block there is no search, so no load of indptr yet).
+__device__ __forceinline__ int2 segment_rows(const int* indptr, int i) {
   const int seg = max(i - 1, 0);
-  const int seg_start = __ldg(indptr + seg), seg_end = __ldg(indptr + seg + 1);
-  const int slot = staged_or_global(st.slot, slot_ids, seg);
+  return make_int2(__ldg(indptr + seg), __ldg(indptr + seg + 1));
+}
+
+// Every warp calls this (all lanes), with i = find_segment(...) and rows = segment_rows(i);
+// false means the item has nothing to do. Fills start, rows and slot; rank and scale come
+// from adapter_rank.
+__device__ __forceinline__ bool find_piece(const int* slot_ids, const IndexStage& st, int M, int item, int i,
+                                           int2 rows, Piece& pc) {
+  const int j = item + 1 - i;  // row-block starts up to the item's: the last is j * M
+  const int seg = max(i - 1, 0), seg_start = rows.x, seg_end = rows.y;
+  const int slot = staged_or_global(st.slot, slot_ids, seg);  // staged (or one load)
   if (i == 0 || slot < 0) return false;  // rows before the first segment / no adapter
-  const bool from_block = j > 0 && (j - 1) * M >= seg_start;
-  if (from_block && (j - 1) * M == seg_start) return false;  // the segment's own item has it
-  const int start = from_block ? (j - 1) * M : seg_start;
+  const bool from_block = j > 0 && j * M >= seg_start;
+  if (from_block && j * M == seg_start) return false;  // the segment's own item has it
+  const int start = from_block ? j * M : seg_start;
   const int end = min(seg_end, (start / M + 1) * M);
   pc.start = start, pc.rows = end - start, pc.slot = slot;
   return end > start;

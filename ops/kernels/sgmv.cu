@@ -67,6 +67,13 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   // Not the others: with the expand's loads issued after the shrink, it was slower (rank 64
   // Distinct B=16: +0.6 µs; benchmarks/results/trace_runs/variants_async_push.json).
   constexpr bool PUSH = CLUSTER && EARLY;
+  // Rank 16 in clusters of 4 (4 expand steps per warp at h_out 4096): the expand's steps
+  // as a ring of 2 (expand_ring), the second loaded while the cluster's partials meet (H200
+  // Distinct B=64: -0.5 then -0.35 µs). Not at rank 32 (B=64: +0.5, ahead +0.8), nor with
+  // fewer steps per warp (rank 16 B=32: +0.25), nor 3 deep (spills; trace_runs/
+  // variants_expand_depth.json, variants_items_ring_halfx.json, variants_ring_ahead.json).
+  constexpr bool RING = PIPE && W == 4 && RMAX == 16 && SPLIT == 4;
+  constexpr int DEPTH = RING ? 2 : 1;
   __shared__ unsigned long long pushed;  // PUSH: the bytes the peers' partials have landed
 
   TRACE_START
@@ -78,10 +85,11 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   StagedLoads<32 * W> staged;  // in flight during the segment search
   staged.issue(a.slot_ids, a.nseg, a.ranks, a.scales, a.slots);
   const int segs_before = find_segment(a.indptr, a.nseg, a.tokens, TL::M, blockIdx.x / SPLIT);
+  const int2 seg_rows = segment_rows(a.indptr, segs_before);
   staged.store(index);
   __syncthreads();
   Piece pc;  // the whole cluster finds the same item, so it returns together
-  if (!find_piece(a.indptr, a.slot_ids, index, TL::M, blockIdx.x / SPLIT, segs_before, pc)) return;
+  if (!find_piece(a.slot_ids, index, TL::M, blockIdx.x / SPLIT, segs_before, seg_rows, pc)) return;
   TRACE(1)
   if (!adapter_rank(a.ranks, a.scales, index, a.max_rank, pc)) return;
   TRACE(2)
@@ -93,16 +101,24 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   }
   // ExpandLanes is built where each use is: one copy held through the shrink cost rank 64
   // B=16 0.4 µs (trace_runs/variants_expand_lanes_late.json).
-  StepLoads<MT, TL::KC> first;
+  StepLoads<MT, TL::KC> ring[DEPTH];  // ring[0]: the warp's first expand step
   const int first_col = cs.x + (threadIdx.x >> 5) * 64;
-  if (EARLY) load_step(first, ExpandLanes<T>(a, pc), pc, first_col, cs.y);
+  if (EARLY) load_step(ring[0], ExpandLanes<T>(a, pc), pc, first_col, cs.y);
   if (MODE == EXPAND) {
     load_v<T, RMAX, MT, W, VT>(a, pc, vh);
   } else {
     constexpr int LOADS = BUDGET - (EARLY ? TL::STEP_LOADS : 0);
     constexpr int U = cmax(1, cmin(8, LOADS / (2 * MT + TL::NTG)));
-    shrink_partial<T, RMAX, MT, W, U, SPLIT, PUSH>(a, pc, ks, part, reinterpret_cast<float*>(scratch), push, crank,
-                                                   &pushed);
+    float* red = reinterpret_cast<float*>(scratch);
+    // Items of at most 8 rows (Distinct decode) load no x rows 8..15, so more of A is in
+    // flight: rank 16 in clusters of 4 reads its k-share in one round, not two (H200, Distinct
+    // B=64: -0.2 µs). Rank 16 in 4-warp blocks only: rank 32 B=64 was 0.3 µs slower (U 3 -> 4,
+    // trace_runs/variants_items_ring_halfx.json), at 64 U stays, 128 and 8-warp blocks spill.
+    constexpr int UH = cmax(1, cmin(8, (LOADS + 2) / (1 + TL::NTG)));
+    if (MT == 1 && W == 4 && RMAX == 16 && pc.rows <= 8)
+      shrink_partial<T, RMAX, MT, W, UH, 1, SPLIT, PUSH>(a, pc, ks, part, red, push, crank, &pushed);
+    else
+      shrink_partial<T, RMAX, MT, W, U, 2, SPLIT, PUSH>(a, pc, ks, part, red, push, crank, &pushed);
     TRACE(3)
     // The arrive's release waits for every earlier access of the thread, loads included
     // (so the expand's loads, unless EARLY, are issued after it and fly while the cluster
@@ -114,7 +130,8 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
       if (threadIdx.x >> 5 == W - 1) cluster_arrive();  // the partial is released to the cluster
       else cluster_arrive_relaxed();
     }
-    if (MODE == FUSED && !EARLY) load_step(first, ExpandLanes<T>(a, pc), pc, first_col, cs.y);
+    if (MODE == FUSED && !EARLY) load_step(ring[0], ExpandLanes<T>(a, pc), pc, first_col, cs.y);
+    if (RING) load_ring<T, MT, TL::KC, W, DEPTH>(ring, ExpandLanes<T>(a, pc), pc, cs);
     if (pull) cluster_wait();  // every block's partial is visible
     if (push) mbar_wait(&pushed, 0);  // every block's partial has landed here
     TRACE(4)
@@ -125,7 +142,8 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   if (MODE != SHRINK) {
     __syncthreads();
     TRACE(6)
-    expand_tile<T, RMAX, MT, W, PIPE>(ExpandLanes<T>(a, pc), pc, cs, vh, first);
+    if (RING) expand_ring<T, RMAX, MT, W, DEPTH>(ExpandLanes<T>(a, pc), pc, cs, vh, ring);
+    else expand_tile<T, RMAX, MT, W, PIPE>(ExpandLanes<T>(a, pc), pc, cs, vh, ring[0]);
     TRACE(7)
   }
   if (CLUSTER && !push) cluster_wait();  // peers may still read our partials until here

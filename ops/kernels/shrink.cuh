@@ -32,7 +32,9 @@ __device__ __forceinline__ void push_partial(const float* red, float (*part)[RMA
 // Shrink partial of this block's k-share: part[m][n] = sum_k x[m][k] * A[n][k].
 // PUSH kernels (sgmv_body): the first pass waits at the cluster barrier the block arrived
 // at on entry; with `push` the partial goes to the peers (push_partial) instead of part.
-template <class T, int RMAX, int MT, int W, int U, int SPLIT, bool PUSH>
+// H: x row halves (of 8) loaded per row tile; with 1, rows 8..15 are zeros (items of at
+// most 8 rows, MT 1) and their loads' registers carry more of A.
+template <class T, int RMAX, int MT, int W, int U, int H, int SPLIT, bool PUSH>
 __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& pc, int2 ks, float (*part)[RMAX],
                                                float* red, bool push, int crank, unsigned long long* bar) {
   using TL = Tile<T, RMAX, MT, W>;
@@ -55,7 +57,8 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = mt * 16 + h * 8 + g;
-            xv[u][mt][h] = ldg16(x + (long long)row * a.x_stride + k, kin && row < pc.rows);
+            xv[u][mt][h] = h < H ? ldg16(x + (long long)row * a.x_stride + k, kin && row < pc.rows)
+                                 : make_uint4(0u, 0u, 0u, 0u);
           }
 #pragma unroll
         for (int nt = 0; nt < NTG; ++nt) {

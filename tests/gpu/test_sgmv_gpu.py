@@ -175,3 +175,26 @@ def test_cuda_graph_capture_and_replay():
         _, y_ref, adapted = reference(x, A, B, segs, ranks.cpu(), scales.cpu(), y0)
         assert rows <= tokens and torch.equal(y[~adapted], y0[~adapted])
         assert rel_err(y[adapted].float() - y0[adapted].float(), (y_ref - y0.float())[adapted]) < TOL, workload
+
+
+@pytest.mark.parametrize("lead", (3, 16, 21, 40))
+def test_rows_outside_every_segment_untouched(lead):
+    """indptr need not start at row 0 nor end at the last row: those rows belong to no segment."""
+    from ops import reference
+
+    rng = np.random.default_rng(lead)
+    A, B, ranks, scales = make_pool(torch.float16, 4096, 4096, "mixed", seed=lead)
+    for batch in (1, 5, 17, 300):
+        segs = make_segments("distinct" if batch < 20 else "skewed", batch, rng)
+        tail = int(rng.integers(0, 20))
+        tokens = lead + sum(n for _, n in segs) + tail
+        indptr = torch.tensor(lead + np.cumsum([0] + [n for _, n in segs]), dtype=torch.int32, device="cuda")
+        slot_ids = torch.tensor([s for s, _ in segs], dtype=torch.int32, device="cuda")
+        x = torch.randn(tokens, 4096, device="cuda", dtype=torch.float16)
+        y0 = (torch.randn(tokens, 4096, device="cuda") * 0.05).half()
+        y_ref = reference.lora_ref(y0.float(), x, A, B, indptr, slot_ids, ranks, scales)
+        y = sgmv.add_lora(y0.clone(), x, A, B, indptr, slot_ids, ranks, scales)
+        outside = torch.ones(tokens, dtype=torch.bool, device="cuda")
+        outside[lead:tokens - tail] = False
+        assert torch.equal(y[outside], y0[outside]), (lead, batch, tail)
+        assert rel_err(y.float() - y0.float(), y_ref - y0.float()) < TOL, (lead, batch)
