@@ -111,8 +111,9 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
     constexpr int U = cmax(1, cmin(8, LOADS / (2 * MT + TL::NTG)));
     float* red = reinterpret_cast<float*>(scratch);
     // Items of at most 8 rows (Distinct decode) load no x rows 8..15, so more of A is in
-    // flight: rank 16 in clusters of 4 reads its k-share in one round, not two (H200, Distinct
-    // B=64: -0.2 µs). Rank 16 in 4-warp blocks only: rank 32 B=64 was 0.3 µs slower (U 3 -> 4,
+    // flight: rank 16 in clusters of 4 reads its k-share in one round, not two (H200,
+    // Distinct B=64 -0.2 µs; B=32 -0.2, trace_runs/variants_halfx_rounds_blk0.json). Rank 16
+    // in 4-warp blocks only: rank 32 B=64 was 0.3 µs slower (U 3 -> 4,
     // trace_runs/variants_items_ring_halfx.json), at 64 U stays, 128 and 8-warp blocks spill.
     constexpr int UH = cmax(1, cmin(8, (LOADS + 2) / (1 + TL::NTG)));
     if (MT == 1 && W == 4 && RMAX == 16 && pc.rows <= 8)
