@@ -67,7 +67,10 @@ __device__ __forceinline__ void stg16(void* p, uint4 v) {
 // Adapter weights (A, B): each line is read once per call, so it is marked first to go
 // from L2 (evict_first) and skips L1: other tenants' lines (activations, the KV cache)
 // stay. Measured on the H200 behind the benchmark's write flush: -3 to -10% from 16 MiB
-// of weights up (likely the later misses evict these clean lines, not dirty ones).
+// of weights up (likely the later misses evict these clean lines, not dirty ones). A miss
+// fetches the whole 128-byte line (.L2::128B), which the lane's neighbours read anyway:
+// -0.1 to -0.45 µs at ranks 16 and 32 (benchmarks/results/trace_runs/
+// variants_l2_prefetch_size.json; 256 bytes the same, but r64 B=1 +0.1).
 __device__ __forceinline__ uint4 ldg16_stream(const void* p, bool ok) {
   // Predicated inside the asm: as a branch around each load it cost ~15 instructions (the
   // policy recreated in each branch) on the latency-bound path to the first A load
@@ -76,7 +79,7 @@ __device__ __forceinline__ uint4 ldg16_stream(const void* p, bool ok) {
   unsigned long long policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   asm("{\n .reg .pred q;\n setp.ne.b32 q, %6, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
-      " mov.b32 %3, 0;\n @q ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n}\n"
+      " mov.b32 %3, 0;\n @q ld.global.nc.L1::no_allocate.L2::cache_hint.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4], %5;\n}\n"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p), "l"(policy), "r"(static_cast<int>(ok)));
   return r;
