@@ -73,8 +73,7 @@ def runner(case, defines, force, kernel_dir):
     force = dict(force)
     extra_items = force.pop("extra_items", 0)
     p = case.plan(**force)
-    cluster = int(p.name.split(",")[3])  # the instantiation's SPLIT
-    blocks = p.blocks + extra_items * cluster
+    blocks = p.blocks + extra_items * p.cluster
     with kernel_sources(kernel_dir):
         func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines)
     return lambda: launch.launch(func, blocks, p.threads, p.args, p.device)

@@ -128,13 +128,14 @@ def _ptr(t, offset=0):
 
 
 class Plan(NamedTuple):
-    """One kernel launch: which instantiation, its grid, its arguments, on which device."""
+    """One kernel launch: which instantiation, its grid (blocks of `cluster`), its arguments, on which device."""
 
     name: str
     blocks: int
     threads: int
     args: _Args
     device: torch.device
+    cluster: int
 
 
 def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_ids, ranks, scales=None,
@@ -164,7 +165,7 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
         h_out=0 if B is None else B.shape[2],
         max_rank=max_rank, slots=ranks.numel(),
     )
-    return Plan(name, items * split, 32 * warps, args, dev)
+    return Plan(name, items * split, 32 * warps, args, dev, split)
 
 
 def _run(mode, tokens, **kwargs):

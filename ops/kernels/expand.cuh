@@ -133,6 +133,9 @@ __device__ __forceinline__ void store_step(const ExpandLanes<T>& ln, const Piece
   });
 }
 
+// 64-column steps in the block's column share cs.
+__device__ __forceinline__ int expand_steps(int2 cs) { return (cs.y - cs.x + 63) / 64; }
+
 // One 64-column step at column cb: acc = vh @ B[:, cb..] from the step's loads `st`
 // (rank 128: the chunks past KC loaded here), then y += scale * acc.
 template <class T, int RMAX, int MT, int W>
@@ -166,7 +169,7 @@ __device__ __forceinline__ void expand_tile(const ExpandLanes<T>& ln, const Piec
                                             const T (*vh)[Tile<T, RMAX, MT>::RP],
                                             StepLoads<MT, Tile<T, RMAX, MT, W>::KC> cur) {
   constexpr int KC = Tile<T, RMAX, MT, W>::KC;
-  const int w = threadIdx.x >> 5, nsteps = (cs.y - cs.x + 63) / 64;
+  const int w = threadIdx.x >> 5, nsteps = expand_steps(cs);
   for (int s = w; s < nsteps; s += W) {
     const int cb = cs.x + s * 64;
     // A warp's last step computes no further addresses: with v ready, the expand is a chain
@@ -185,7 +188,7 @@ __device__ __forceinline__ void expand_tile(const ExpandLanes<T>& ln, const Piec
 template <class T, int MT, int KC, int W, int DEPTH>
 __device__ __forceinline__ void load_ring(StepLoads<MT, KC> (&ring)[DEPTH], const ExpandLanes<T>& ln,
                                           const Piece& pc, int2 cs) {
-  const int w = threadIdx.x >> 5, nsteps = (cs.y - cs.x + 63) / 64;
+  const int w = threadIdx.x >> 5, nsteps = expand_steps(cs);
 #pragma unroll
   for (int d = 1; d < DEPTH; ++d)
     if (w + d * W < nsteps) load_step(ring[d], ln, pc, cs.x + (w + d * W) * 64, cs.y);
@@ -198,7 +201,7 @@ template <class T, int RMAX, int MT, int W, int DEPTH>
 __device__ __forceinline__ void expand_ring(const ExpandLanes<T>& ln, const Piece& pc, int2 cs,
                                             const T (*vh)[Tile<T, RMAX, MT>::RP],
                                             StepLoads<MT, Tile<T, RMAX, MT, W>::KC> (&ring)[DEPTH]) {
-  const int w = threadIdx.x >> 5, nsteps = (cs.y - cs.x + 63) / 64;
+  const int w = threadIdx.x >> 5, nsteps = expand_steps(cs);
   for (int s0 = w; s0 < nsteps; s0 += DEPTH * W) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {

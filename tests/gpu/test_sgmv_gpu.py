@@ -15,6 +15,7 @@ import torch
 
 from benchmarks.sgmv import request_adapters  # Punica's four workloads, as benchmarked
 from ops import sgmv
+from ops.reference import lora_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -180,8 +181,6 @@ def test_cuda_graph_capture_and_replay():
 @pytest.mark.parametrize("lead", (3, 16, 21, 40))
 def test_rows_outside_every_segment_untouched(lead):
     """indptr need not start at row 0 nor end at the last row: those rows belong to no segment."""
-    from ops import reference
-
     rng = np.random.default_rng(lead)
     A, B, ranks, scales = make_pool(torch.float16, 4096, 4096, "mixed", seed=lead)
     for batch in (1, 5, 17, 300):
@@ -192,7 +191,7 @@ def test_rows_outside_every_segment_untouched(lead):
         slot_ids = torch.tensor([s for s, _ in segs], dtype=torch.int32, device="cuda")
         x = torch.randn(tokens, 4096, device="cuda", dtype=torch.float16)
         y0 = (torch.randn(tokens, 4096, device="cuda") * 0.05).half()
-        y_ref = reference.lora_ref(y0.float(), x, A, B, indptr, slot_ids, ranks, scales)
+        y_ref = lora_ref(y0.float(), x, A, B, indptr, slot_ids, ranks, scales)
         y = sgmv.add_lora(y0.clone(), x, A, B, indptr, slot_ids, ranks, scales)
         outside = torch.ones(tokens, dtype=torch.bool, device="cuda")
         outside[lead:tokens - tail] = False
