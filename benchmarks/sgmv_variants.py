@@ -7,7 +7,8 @@
 A variant is NAME=DEFINE[,DEFINE...][:option=value...][@KERNEL_DIR]: the kernel built with
 those -D macros (from KERNEL_DIR's sources, e.g. an older commit's ops/kernels, instead of
 the tree's), and add_lora's forced options (split=N, warps=N; extra_items=1 for a build
-before 2026-12-01's fourth session, whose item list also held row block 0). Each
+before 2026-12-01's fourth session, whose item list also held row block 0; smem=BYTES of
+dynamic shared memory per block, to cap how many blocks share an SM). Each
 configuration's variants are timed as benchmarks/sgmv.py times them (graph replay
 behind the 256 MiB L2 flush, median of 100), in ROUNDS interleaved rounds so the
 machine's drift hits all alike; after each variant's first run its output is
@@ -29,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.sgmv import H, POOL, Case, rel_err, time_graph  # noqa: E402
+from benchmarks.sgmv_trace import with_smem  # noqa: E402
 from ops import launch, nvrtc  # noqa: E402
 
 CONFIGS = [(16, "distinct", b) for b in (1, 16, 32, 64)] + [(32, "distinct", b) for b in (16, 32, 64)] + [
@@ -71,12 +73,12 @@ def kernel_sources(kernel_dir):
 
 def runner(case, defines, force, kernel_dir):
     force = dict(force)
-    extra_items = force.pop("extra_items", 0)
+    extra_items, smem = force.pop("extra_items", 0), force.pop("smem", 0)
     p = case.plan(**force)
     blocks = p.blocks + extra_items * p.cluster
     with kernel_sources(kernel_dir):
-        func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines)
-    return lambda: launch.launch(func, blocks, p.threads, p.args, p.device)
+        func = with_smem(nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines), smem)
+    return lambda: launch.launch(func, blocks, p.threads, p.args, p.device, smem)
 
 
 def main():

@@ -14,11 +14,13 @@ from cuda.bindings import driver
 _SUCCESS = driver.CUresult.CUDA_SUCCESS
 
 
-def launch(func: driver.CUfunction, grid: int, block: int, args: ctypes.Structure, device: torch.device):
-    """Run `func` on `grid` x `block` threads with `args` on the current stream of `device`."""
+def launch(func: driver.CUfunction, grid: int, block: int, args: ctypes.Structure, device: torch.device,
+           smem: int = 0):
+    """Run `func` on `grid` x `block` threads with `args` (and `smem` bytes of dynamic shared
+    memory per block) on the current stream of `device`."""
     params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
     stream = torch.cuda.current_stream(device).cuda_stream
-    (err,) = driver.cuLaunchKernel(func, grid, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(params), 0)
+    (err,) = driver.cuLaunchKernel(func, grid, 1, 1, block, 1, 1, smem, stream, ctypes.addressof(params), 0)
     if err != _SUCCESS:
         raise RuntimeError(f"cuLaunchKernel: {driver.cuGetErrorString(err)[1].decode()}")
 

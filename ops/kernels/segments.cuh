@@ -45,9 +45,9 @@ __device__ __forceinline__ int merge_corank(const int* indptr, int nseg, int nbl
   return lo;
 }
 
-// The first kStaged segments' slot ids and pool slots' ranks and scales, staged in
-// shared memory: their loads are issued at entry, beside the segment search's, so the
-// lookups that depend on its answer (slot, then rank and scale) read shared memory
+// The first kStaged segments' slot ids and pool slots' ranks (and with SCALES, scales),
+// staged in shared memory: their loads are issued at entry, beside the segment search's, so
+// the lookups that depend on its answer (slot, then rank and scale) read shared memory
 // instead of paying two more DRAM round trips. Larger indices read global memory.
 constexpr int kStaged = 512;
 
@@ -57,11 +57,11 @@ struct IndexStage {
   float scale[kStaged];
 };
 
-template <int THREADS>
+template <int THREADS, bool SCALES>
 struct StagedLoads {
   static constexpr int N = kStaged / THREADS;  // entries per thread and array
   int slot[N], rank[N];
-  float scale[N];
+  float scale[SCALES ? N : 1];
 
   __device__ __forceinline__ void issue(const int* slot_ids, int nseg, const int* ranks, const float* scales,
                                         int slots) {
@@ -70,7 +70,7 @@ struct StagedLoads {
       const int i = threadIdx.x + j * THREADS;
       slot[j] = i < nseg ? __ldg(slot_ids + i) : -1;
       rank[j] = i < slots ? __ldg(ranks + i) : 0;
-      scale[j] = scales && i < slots ? __ldg(scales + i) : 0.f;
+      if constexpr (SCALES) scale[j] = scales && i < slots ? __ldg(scales + i) : 0.f;
     }
   }
   // Every thread, then a __syncthreads before the first lookup.
@@ -78,7 +78,8 @@ struct StagedLoads {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const int i = threadIdx.x + j * THREADS;
-      st.slot[i] = slot[j], st.rank[i] = rank[j], st.scale[i] = scale[j];
+      st.slot[i] = slot[j], st.rank[i] = rank[j];
+      if constexpr (SCALES) st.scale[i] = scale[j];
     }
   }
 };
@@ -118,9 +119,12 @@ __device__ __forceinline__ bool find_piece(const int* slot_ids, const IndexStage
   return end > start;
 }
 
+// STAGED_SCALES: as StagedLoads' SCALES; without, the scale is loaded here, on its own.
+template <bool STAGED_SCALES>
 __device__ __forceinline__ bool adapter_rank(const int* ranks, const float* scales, const IndexStage& st,
                                              int max_rank, Piece& pc) {
   pc.rank = min(staged_or_global(st.rank, ranks, pc.slot), max_rank);
-  pc.scale = scales ? staged_or_global(st.scale, scales, pc.slot) : 0.f;  // the shrink has no scales
+  if (!scales) pc.scale = 0.f;  // the shrink has none
+  else pc.scale = STAGED_SCALES ? staged_or_global(st.scale, scales, pc.slot) : __ldg(scales + pc.slot);
   return pc.rank > 0;
 }

@@ -22,14 +22,24 @@ enum Mode { SHRINK = 0, EXPAND = 1, FUSED = 2 };
 
 #ifdef SGMV_TRACE
 // benchmarks/sgmv_trace.py only: per block, the global time (ns) at entry and at the
-// end, and the SM clock cycles since entry at each phase boundary warp 0 passes.
-__device__ long long sgmv_trace[4096][10];
+// end, the SM clock cycles since entry at each phase boundary warp 0 passes, and the SM.
+__device__ long long sgmv_trace[4096][11];
 __device__ __forceinline__ long long global_ns() {
   long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-#define TRACE_START const long long trace_c0 = clock64(); if (threadIdx.x == 0) sgmv_trace[blockIdx.x][0] = global_ns();
+__device__ __forceinline__ int sm_id() {
+  int s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+#define TRACE_START                                     \
+  const long long trace_c0 = clock64();                 \
+  if (threadIdx.x == 0) {                               \
+    sgmv_trace[blockIdx.x][0] = global_ns();            \
+    sgmv_trace[blockIdx.x][10] = sm_id();               \
+  }
 #define TRACE(i) if (threadIdx.x == 0) sgmv_trace[blockIdx.x][i] = clock64() - trace_c0;
 #define TRACE_END if (threadIdx.x == 0) sgmv_trace[blockIdx.x][9] = global_ns();
 #else
@@ -77,21 +87,29 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   __shared__ unsigned long long pushed;  // PUSH: the bytes the peers' partials have landed
 
   TRACE_START
+  const int crank = blockIdx.x % SPLIT;
+  // The scale is read only by the expand's last instructions: pushing kernels load it once the
+  // slot is known, so the index round trip waits for 16 fewer lines (H200: -0.1 µs at B<=16,
+  // -0.5 at rank 32 B=64, in two runs). Not the others: rank 64 B=16 +0.9 (trace_runs/
+  // variants_init_late_scale_push.json).
+  constexpr bool STAGE_SCALES = !PUSH;
+  StagedLoads<32 * W, STAGE_SCALES> staged;  // in flight during the segment search
+  staged.issue(a.slot_ids, a.nseg, a.ranks, a.scales, a.slots);
+  const int segs_before = find_segment(a.indptr, a.nseg, a.tokens, TL::M, blockIdx.x / SPLIT);
+  const int2 seg_rows = segment_rows(a.indptr, segs_before);
+  // After the index loads are issued: the barrier's init fence held warp 0's back (H200: the
+  // item is found at 1.0 µs instead of 1.3, B=16 ranks 16 and 32 -0.25 to -0.35 µs;
+  // trace_runs/variants_init_scale_late.json, trace_init_late.json).
   if (PUSH) {
     if (threadIdx.x == 0) mbar_init(&pushed);
     cluster_arrive_relaxed();  // waited for before the first push: peers must have started
   }
-  const int crank = blockIdx.x % SPLIT;
-  StagedLoads<32 * W> staged;  // in flight during the segment search
-  staged.issue(a.slot_ids, a.nseg, a.ranks, a.scales, a.slots);
-  const int segs_before = find_segment(a.indptr, a.nseg, a.tokens, TL::M, blockIdx.x / SPLIT);
-  const int2 seg_rows = segment_rows(a.indptr, segs_before);
   staged.store(index);
   __syncthreads();
   Piece pc;  // the whole cluster finds the same item, so it returns together
   if (!find_piece(a.slot_ids, index, TL::M, blockIdx.x / SPLIT, segs_before, seg_rows, pc)) return;
   TRACE(1)
-  if (!adapter_rank(a.ranks, a.scales, index, a.max_rank, pc)) return;
+  if (!adapter_rank<STAGE_SCALES>(a.ranks, a.scales, index, a.max_rank, pc)) return;
   TRACE(2)
   const int2 ks = share(a.h_in, 32, crank, SPLIT), cs = share(a.h_out, 64, crank, SPLIT);
   const bool push = PUSH && SPLIT * pc.rows <= TL::M;  // the SPLIT copies of the partial fit in part
