@@ -72,21 +72,28 @@ def max_active_clusters(func, plan, smem):
 
 
 def summarize(traces, mhz):
-    """Medians over launches of: start skew, span, and each phase's median / slowest block (µs)."""
+    """Medians over launches of: start skew, span, and each phase's median / slowest block (µs);
+    and over all launches' blocks, the shrink's median µs (rank known to partial) by how many
+    blocks ran on the block's SM."""
     out = dict(start_skew_us=[], span_us=[], sms_used=[], most_blocks_per_sm=[], **{p: [] for p in PHASES},
                **{p + " (slowest)": [] for p in PHASES})
+    shrink_by_sm_load = {}
     for t in traces:
         per_sm = np.bincount(t[:, 10])
         out["sms_used"].append(int((per_sm > 0).sum()))
         out["most_blocks_per_sm"].append(int(per_sm.max()))
         live = t[t[:, 9] > 0]  # blocks that did the whole add-on
+        load = per_sm[live[:, 10]]
+        for k in np.unique(load):
+            shrink_by_sm_load.setdefault(int(k), []).extend((live[load == k, 3] - live[load == k, 2]) / mhz)
         out["start_skew_us"].append((t[:, 0].max() - t[:, 0].min()) / 1e3)
         out["span_us"].append((t[:, 9].max() - t[:, 0].min()) / 1e3)
         for i, p in enumerate(PHASES, start=1):
             reached = live[:, i][live[:, i] > 0] / mhz
             out[p].append(float(np.median(reached)) if reached.size else math.nan)
             out[p + " (slowest)"].append(float(reached.max()) if reached.size else math.nan)
-    return {k: float(np.median(v)) for k, v in out.items()}
+    return {**{k: float(np.median(v)) for k, v in out.items()},
+            "shrink_us_by_blocks_on_sm": {k: float(np.median(v)) for k, v in sorted(shrink_by_sm_load.items())}}
 
 
 def main():
@@ -125,6 +132,7 @@ def main():
     for r in rows:
         print(f"{r['rank']:>3} {r['batch']:>3} {r['blocks']:>6} " + " ".join(f"{r[c]:12.2f}" for c in cols))
         print(" " * 14 + "slowest " + " " * 57 + " ".join(f"{r[p + ' (slowest)']:12.2f}" for p in PHASES))
+        print(" " * 14 + "shrink µs by blocks on the SM: " + str(r["shrink_us_by_blocks_on_sm"]))
 
 
 if __name__ == "__main__":
