@@ -62,6 +62,13 @@ def with_smem(func, smem):
     return func
 
 
+def with_policy(func, policy):
+    """`func`, launched with cluster scheduling policy `policy` (CUclusterSchedulingPolicy; 0 the default)."""
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
+    _drv(driver.cuFuncSetAttribute(func, attr, policy))
+    return func
+
+
 def max_active_clusters(func, plan, smem):
     """How many of the kernel's clusters (its compiled cluster width) the device holds at once."""
     cfg = driver.CUlaunchConfig()

@@ -8,7 +8,9 @@ A variant is NAME=DEFINE[,DEFINE...][:option=value...][@KERNEL_DIR]: the kernel 
 those -D macros (from KERNEL_DIR's sources, e.g. an older commit's ops/kernels, instead of
 the tree's), and add_lora's forced options (split=N, warps=N; extra_items=1 for a build
 before 2026-12-01's fourth session, whose item list also held row block 0; smem=BYTES of
-dynamic shared memory per block, to cap how many blocks share an SM). Each
+dynamic shared memory per block, to cap how many blocks share an SM; policy=N the
+cluster scheduling policy, 1 spread, 2 load balancing: give such a variant a -D of its own,
+as variants with the same -D share one compiled function). Each
 configuration's variants are timed as benchmarks/sgmv.py times them (graph replay
 behind the 256 MiB L2 flush, median of 100), in ROUNDS interleaved rounds so the
 machine's drift hits all alike; after each variant's first run its output is
@@ -30,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.sgmv import H, POOL, Case, rel_err, time_graph  # noqa: E402
-from benchmarks.sgmv_trace import with_smem  # noqa: E402
+from benchmarks.sgmv_trace import with_policy, with_smem  # noqa: E402
 from ops import launch, nvrtc  # noqa: E402
 
 CONFIGS = [(16, "distinct", b) for b in (1, 16, 32, 64)] + [(32, "distinct", b) for b in (16, 32, 64)] + [
@@ -73,11 +75,11 @@ def kernel_sources(kernel_dir):
 
 def runner(case, defines, force, kernel_dir):
     force = dict(force)
-    extra_items, smem = force.pop("extra_items", 0), force.pop("smem", 0)
+    extra_items, smem, policy = force.pop("extra_items", 0), force.pop("smem", 0), force.pop("policy", 0)
     p = case.plan(**force)
     blocks = p.blocks + extra_items * p.cluster
     with kernel_sources(kernel_dir):
-        func = with_smem(nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines), smem)
+        func = with_policy(with_smem(nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines), smem), policy)
     return lambda: launch.launch(func, blocks, p.threads, p.args, p.device, smem)
 
 

@@ -29,6 +29,17 @@ __device__ __forceinline__ void push_partial(const float* red, float (*part)[RMA
   }
 }
 
+// r1, r2: a lane's loads of a whole-line pair (shrink_partial); afterwards its own row's two
+// steps. The partner lane differs in the lowest bit of g (lane ^ 4).
+__device__ __forceinline__ void exchange_pair(uint4& r1, uint4& r2, int e) {
+  const uint4 send = e ? r1 : r2, keep = e ? r2 : r1;
+  r2.x = __shfl_xor_sync(0xffffffffu, send.x, 4);
+  r2.y = __shfl_xor_sync(0xffffffffu, send.y, 4);
+  r2.z = __shfl_xor_sync(0xffffffffu, send.z, 4);
+  r2.w = __shfl_xor_sync(0xffffffffu, send.w, 4);
+  r1 = keep;
+}
+
 // Shrink partial of this block's k-share: part[m][n] = sum_k x[m][k] * A[n][k].
 // PUSH kernels (sgmv_body): the first pass waits at the cluster barrier the block arrived
 // at on entry; with `push` the partial goes to the peers (push_partial) instead of part.
@@ -43,6 +54,14 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
   const int nsteps = (ks.y - ks.x + 31) / 32;
   const T* x = static_cast<const T*>(a.x) + (long long)pc.start * a.x_stride;
   const T* A = static_cast<const T*>(a.A) + (long long)pc.slot * a.a_slot;
+  // A lane's 16 bytes of A fill its MMA slots only for its own row g, so one load reads half
+  // a line of each of 8 rows. Rank 64 and up (decode, clusters of 8 or 16) pair steps: lanes
+  // g = 2p + e read row 2p at step u + e, then row 2p + 1 at step u + 1 - e (u even), each a
+  // whole line of 4 rows, and trade halves (exchange_pair): half the requests for the same
+  // bytes (H200 Distinct r64 B16 -0.4, B32 -0.8 us, in two runs). Not at ranks 16 and 32,
+  // where whole lines gained nothing and the exchange cost r16 B1 +0.55, nor in clusters of 4
+  // (spills; benchmarks/results/trace_runs/variants_full_lines.json).
+  constexpr bool WHOLE = MT == 1 && RMAX >= 64 && SPLIT >= 8;
   for (int n0 = 0; n0 < pc.rank; n0 += NTG * 8) {
     float acc[MT][NTG][4] = {};
     // A warp takes U consecutive 64-byte steps of each row: whole 128-byte lines.
@@ -60,14 +79,19 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
             xv[u][mt][h] = h < H ? ldg16(x + (long long)row * a.x_stride + k, kin && row < pc.rows)
                                  : make_uint4(0u, 0u, 0u, 0u);
           }
+        const bool pair = WHOLE && ((u & 1) || u + 1 < U);
+        const int sa = pair ? s0 + (u & ~1) + ((u & 1) ^ (g & 1)) : s, ka = ks.x + sa * 32 + q * 8;
 #pragma unroll
         for (int nt = 0; nt < NTG; ++nt) {
-          const int n = n0 + nt * 8 + g;
-          av[u][nt] = ldg16_stream(A + (long long)n * a.h_in + k, kin && n < pc.rank);
+          const int n = n0 + nt * 8 + (pair ? (g & ~1) + (u & 1) : g);
+          av[u][nt] = ldg16_stream(A + (long long)n * a.h_in + ka, sa < nsteps && ka < ks.y && n < pc.rank);
         }
       }
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+      for (int u = 0; u < U; ++u) {
+        if (WHOLE && !(u & 1) && u + 1 < U)
+#pragma unroll
+          for (int nt = 0; nt < NTG; ++nt) exchange_pair(av[u][nt], av[u + 1][nt], g & 1);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -76,6 +100,7 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
             DType<T>::mma(acc[mt][nt], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
             DType<T>::mma(acc[mt][nt], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
           }
+      }
     }
     // Sum the warps' partials of this rank group in a fixed order (deterministic).
     constexpr int NG = NTG * 8;
