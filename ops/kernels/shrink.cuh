@@ -55,13 +55,14 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
   const T* x = static_cast<const T*>(a.x) + (long long)pc.start * a.x_stride;
   const T* A = static_cast<const T*>(a.A) + (long long)pc.slot * a.a_slot;
   // A lane's 16 bytes of A fill its MMA slots only for its own row g, so one load reads half
-  // a line of each of 8 rows. Rank 64 and up (decode, clusters of 8 or 16) pair steps: lanes
+  // a line of each of 8 rows. Rank 64 (decode, clusters of 8 or 16) pairs steps: lanes
   // g = 2p + e read row 2p at step u + e, then row 2p + 1 at step u + 1 - e (u even), each a
   // whole line of 4 rows, and trade halves (exchange_pair): half the requests for the same
-  // bytes (H200 Distinct r64 B16 -0.4, B32 -0.8 us, in two runs). Not at ranks 16 and 32,
-  // where whole lines gained nothing and the exchange cost r16 B1 +0.55, nor in clusters of 4
-  // (spills; benchmarks/results/trace_runs/variants_full_lines.json).
-  constexpr bool WHOLE = MT == 1 && RMAX >= 64 && SPLIT >= 8;
+  // bytes (H200 Distinct B16 -0.3 to -0.4, B32 -0.8 to -1.0 us in four runs). Not at ranks
+  // 16 and 32, where whole lines gained nothing and the exchange cost r16 B1 +0.55, nor 128
+  // (+0.03 to +0.15), nor in clusters of 4 (spills; benchmarks/results/trace_runs/
+  // variants_full_lines.json, variants_whole_lines_ab.json).
+  constexpr bool WHOLE = MT == 1 && RMAX == 64 && SPLIT >= 8;
   for (int n0 = 0; n0 < pc.rank; n0 += NTG * 8) {
     float acc[MT][NTG][4] = {};
     // A warp takes U consecutive 64-byte steps of each row: whole 128-byte lines.
