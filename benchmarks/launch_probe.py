@@ -19,6 +19,7 @@ from cuda.bindings import driver
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.sgmv import time_graph  # noqa: E402
+from benchmarks.sgmv_variants import kernel_sources  # noqa: E402
 from ops import launch, nvrtc  # noqa: E402
 
 SOURCE = r"""
@@ -50,9 +51,9 @@ def no_params(func, grid, block):
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         (pathlib.Path(tmp) / "empty.cu").write_text(SOURCE)
-        nvrtc.KERNEL_DIR = pathlib.Path(tmp)
-        f = {n: nvrtc.load_function("empty.cu", n, 0)
-             for n in ("empty_noargs", "empty_big", "empty_cluster", "empty_big_smem")}
+        with kernel_sources(tmp):
+            f = {n: nvrtc.load_function("empty.cu", n, 0)
+                 for n in ("empty_noargs", "empty_big", "empty_cluster", "empty_big_smem")}
     flush = torch.empty(2**28 // 4, device="cuda")
     dev, big = torch.device("cuda", 0), Big()
     rows = [("torch empty kernel (null graph)", lambda: torch.cuda._sleep(0)),
