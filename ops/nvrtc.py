@@ -5,7 +5,10 @@ A kernel is named by its source file and a template instantiation, e.g.
 once per process for the device's arch and the cubin is cached under
 ``$LORAPLEX_CACHE`` (default ``~/.cache/loraplex/nvrtc``), keyed by the sha256
 of every kernel source and header, the options, the arch and the NVRTC version.
-NVRTC needs no GPU, so CI compiles every kernel for sm_80 and sm_90.
+NVRTC needs no GPU, so CI compiles every kernel for sm_80 and sm_90. A kernel
+can also be built for an older arch than the device's (``load_function(...,
+arch=80)`` on an H100): as PTX, which the driver compiles for the device, so
+the older arch's code path runs on this GPU.
 """
 import functools
 import glob
@@ -69,8 +72,9 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
-def _options(arch: int, extra: tuple[str, ...]) -> list[bytes]:
-    opts = [f"--gpu-architecture=sm_{arch}", "-std=c++17", f"-I{KERNEL_DIR}"]
+def _options(arch: int, extra: tuple[str, ...], ptx: bool = False) -> list[bytes]:
+    target = f"compute_{arch}" if ptx else f"sm_{arch}"
+    opts = [f"--gpu-architecture={target}", "-std=c++17", f"-I{KERNEL_DIR}"]
     opts += [f"-I{d}" for d in include_dirs()]
     return [o.encode() for o in (*opts, *extra)]
 
@@ -88,7 +92,8 @@ def _write_atomic(path: pathlib.Path, data: bytes):
     os.replace(tmp, path)  # concurrent compilers of one key write the same bytes
 
 
-def _nvrtc_compile(source: str, name_expr: str, opts: list[bytes]) -> tuple[bytes, str, str]:
+def _nvrtc_compile(source: str, name_expr: str, opts: list[bytes], ptx: bool = False) -> tuple[bytes, str, str]:
+    """(cubin, or PTX for a compute_XX target; lowered name; log)."""
     text = (KERNEL_DIR / source).read_bytes()
     prog = _ok(nvrtc.nvrtcCreateProgram(text, source.encode(), 0, [], []), "create")
     try:
@@ -101,30 +106,32 @@ def _nvrtc_compile(source: str, name_expr: str, opts: list[bytes]) -> tuple[byte
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(f"{source} {name_expr}:\n{log}")
         lowered = _ok(nvrtc.nvrtcGetLoweredName(prog, name_expr.encode()), "lowered name")
-        size = _ok(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-        cubin = b" " * size
-        _ok(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
-        return cubin, lowered.decode(), log
+        get_size, get = (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx else (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
+        image = b" " * _ok(get_size(prog), "image size")
+        _ok(get(prog, image), "image")
+        return image, lowered.decode(), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
 @functools.cache
-def compile_kernel(source: str, name_expr: str, arch: int, extra: tuple[str, ...] = ()) -> tuple[bytes, str]:
-    """(cubin, lowered symbol name) for `name_expr` in kernels/`source`, sm_`arch`."""
-    opts = _options(arch, extra)
+def compile_kernel(source: str, name_expr: str, arch: int, extra: tuple[str, ...] = (),
+                   ptx: bool = False) -> tuple[bytes, str]:
+    """(cubin, lowered symbol name) for `name_expr` in kernels/`source`, sm_`arch`; with
+    `ptx`, PTX for compute_`arch` instead of the cubin."""
+    opts = _options(arch, extra, ptx)
     version = _ok(nvrtc.nvrtcVersion(), "version")
     key = hashlib.sha256(
         repr((_sources_digest(), source, name_expr, opts, tuple(version))).encode()
     ).hexdigest()[:32]
-    cubin_path = _cache_dir() / f"{key}.cubin"
+    image_path = _cache_dir() / f"{key}.{'ptx' if ptx else 'cubin'}"
     name_path = _cache_dir() / f"{key}.sym"
-    if cubin_path.is_file() and name_path.is_file():
-        return cubin_path.read_bytes(), name_path.read_text()
-    cubin, lowered, _ = _nvrtc_compile(source, name_expr, opts)
-    _write_atomic(cubin_path, cubin)
+    if image_path.is_file() and name_path.is_file():
+        return image_path.read_bytes(), name_path.read_text()
+    image, lowered, _ = _nvrtc_compile(source, name_expr, opts, ptx)
+    _write_atomic(image_path, image)
     _write_atomic(name_path, lowered.encode())
-    return cubin, lowered
+    return image, lowered
 
 
 def resource_report(source: str, name_expr: str, arch: int) -> str:
@@ -140,17 +147,22 @@ def _drv(result, what):
 
 
 @functools.cache
-def load_function(source: str, name_expr: str, device: int, extra: tuple[str, ...] = ()) -> driver.CUfunction:
+def load_function(source: str, name_expr: str, device: int, extra: tuple[str, ...] = (),
+                  arch: int | None = None) -> driver.CUfunction:
     """The kernel as a CUfunction in `device`'s primary context (torch's context);
-    `extra`: more NVRTC options (e.g. a -D for an instrumented build)."""
+    `extra`: more NVRTC options (e.g. a -D for an instrumented build); `arch`: build it for
+    this older arch than the device's (as PTX, compiled for the device by the driver)."""
     import torch
 
     major, minor = torch.cuda.get_device_capability(device)
-    cubin, lowered = compile_kernel(source, name_expr, 10 * major + minor, extra)
+    own = 10 * major + minor
+    if arch is not None and arch > own:
+        raise ValueError(f"sm_{arch} code cannot run on this sm_{own} device")
+    image, lowered = compile_kernel(source, name_expr, arch or own, extra, ptx=arch not in (None, own))
     ctx = _drv(driver.cuDevicePrimaryCtxRetain(_drv(driver.cuDeviceGet(device), "device")), "context")
     _drv(driver.cuCtxPushCurrent(ctx), "push context")
     try:
-        module = _drv(driver.cuModuleLoadData(cubin), f"load {name_expr}")
+        module = _drv(driver.cuModuleLoadData(image), f"load {name_expr}")
         func = _drv(driver.cuModuleGetFunction(module, lowered.encode()), f"get {lowered}")
         if major >= 9:  # clusters of 16 blocks need this opt-in; harmless for the rest
             allow = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED

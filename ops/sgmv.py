@@ -104,7 +104,7 @@ def warm_up(dtype: torch.dtype, max_rank: int, device) -> None:
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     for name in fused_kernel_names(dtype, max_rank, _arch(index)):
-        nvrtc.load_function("sgmv.cu", name, index)
+        nvrtc.load_function("sgmv.cu", name, index, arch=_arch(index))
 
 
 def _check(x, pool, y, v, segs, y_offset=0):
@@ -171,7 +171,8 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
 def _run(mode, tokens, **kwargs):
     p = launch_plan(mode, tokens, **kwargs)
     if p is not None:
-        _launch.launch(nvrtc.load_function("sgmv.cu", p.name, p.device.index), p.blocks, p.threads, p.args, p.device)
+        func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, arch=_arch(p.device.index))
+        _launch.launch(func, p.blocks, p.threads, p.args, p.device)
 
 
 def sgmv_shrink(v, x, A, indptr, slot_ids, ranks):

@@ -79,3 +79,11 @@ def test_cubins_are_cached_on_disk(tmp_path):
     assert cubin[:4] == b"\x7fELF" and symbol.startswith("_Z")
     assert len(list(tmp_path.glob("*.cubin"))) == 1
     assert again == (cubin, symbol)
+
+
+def test_older_arch_builds_as_ptx():
+    """load_function(..., arch=80) on a newer GPU runs this: PTX the driver compiles for it."""
+    name = sgmv.kernel_name(sgmv.FUSED, torch.float16, 64, 16, 80)[0]
+    ptx, symbol = nvrtc.compile_kernel("sgmv.cu", name, 80, ptx=True)
+    text = ptx.rstrip(b"\0").decode()
+    assert ".target sm_80" in text and f".entry {symbol}(" in text

@@ -149,6 +149,24 @@ def test_every_cluster_width_and_block_size(split, warps):
     assert not failures, "\n".join(failures[:20])
 
 
+def test_sm80_code_path_on_this_device(monkeypatch):
+    """The kernels an A100 runs (no clusters: one block per item in the fused kernel, the
+    expand split over 8 plain blocks), built as compute_80 PTX and compiled by the driver
+    for this GPU, equal the reference too."""
+    monkeypatch.setattr(sgmv, "_arch", lambda index: 80)
+    rng = np.random.default_rng(80)
+    failures = []
+    for dtype, rank in ((torch.float16, 16), (torch.bfloat16, 64), (torch.float16, "mixed")):
+        pool = make_pool(dtype, 4096, 5120, rank, seed=80)
+        failures += [f for w, b in (("distinct", 16), ("uniform", 64), ("skewed", 300), ("identical", 4096))
+                     for f in check_case(dtype, 4096, 5120, rank, w, b, pool, rng)]
+    A, B, ranks, scales = pool
+    segs = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    plan = sgmv.launch_plan(sgmv.FUSED, 1, A=A, B=B, indptr=segs, slot_ids=segs[:1], ranks=ranks, scales=scales)
+    assert "cluster" not in plan.name and plan.cluster == 1
+    assert not failures, "\n".join(failures[:20])
+
+
 def test_cuda_graph_capture_and_replay():
     dtype, h, tokens = torch.float16, 4096, 64
     rng = np.random.default_rng(1)
