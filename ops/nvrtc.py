@@ -7,7 +7,7 @@ once per process for the device's arch and the cubin is cached under
 of every kernel source and header, the options, the arch and the NVRTC version.
 NVRTC needs no GPU, so CI compiles every kernel for sm_80 and sm_90. A kernel
 can also be built for an older arch than the device's (``load_function(...,
-arch=80)`` on an H100): as PTX, which the driver compiles for the device, so
+arch=80)`` on an H200): as PTX, which the driver compiles for the device, so
 the older arch's code path runs on this GPU.
 """
 import functools
@@ -106,7 +106,9 @@ def _nvrtc_compile(source: str, name_expr: str, opts: list[bytes], ptx: bool = F
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(f"{source} {name_expr}:\n{log}")
         lowered = _ok(nvrtc.nvrtcGetLoweredName(prog, name_expr.encode()), "lowered name")
-        get_size, get = (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx else (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
+        get_size, get = nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN
+        if ptx:
+            get_size, get = nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX
         image = b" " * _ok(get_size(prog), "image size")
         _ok(get(prog, image), "image")
         return image, lowered.decode(), log
