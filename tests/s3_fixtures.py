@@ -12,7 +12,7 @@ import pytest
 
 from adapters_store.peft_weights import ModelShape
 from tests.fault_proxy import FaultProxy
-from tests.store_helpers import TINY_SHAPE
+from tests.store_helpers import TINY_SHAPE, upload_client
 
 
 @dataclass
@@ -44,11 +44,9 @@ def s3(tmp_path_factory):
         server.start()
         port = server.get_host_and_port()[1]
         proxy = FaultProxy(port)
-        import boto3
-
         endpoint = f"http://127.0.0.1:{port}"
         try:
-            yield S3Env(endpoint, proxy, boto3.client("s3", endpoint_url=endpoint))
+            yield S3Env(endpoint, proxy, upload_client(endpoint))
         finally:
             proxy.close()
             server.stop()

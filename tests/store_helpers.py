@@ -39,6 +39,19 @@ def write_adapter(out: Path, shape: ModelShape, rank: int = 2, targets=("q_proj"
     return out
 
 
+def upload_client(endpoint: str, config=None):
+    """A boto3 S3 client for the tests' own uploads to moto, sending no `Expect: 100-continue`:
+    moto's server can answer that header twice, and botocore may then read the second answer
+    as the response's status line, so a PUT fails with ConnectionClosedError now and then
+    (seen once in CI; moto pull request 9975). The store under test only reads."""
+    import boto3
+    import botocore.handlers
+
+    client = boto3.client("s3", endpoint_url=endpoint, config=config)
+    client.meta.events.unregister("before-call.s3", botocore.handlers.add_expect_header)
+    return client
+
+
 def upload_dir(client, bucket: str, prefix: str, local: Path) -> str:
     """Upload a PEFT directory's files to s3://bucket/prefix/ and return that URI."""
     for f in sorted(local.iterdir()):

@@ -12,7 +12,7 @@ from adapters_store.errors import AdapterFetchError
 from adapters_store.peft_weights import load_local
 from adapters_store.store import AdapterStore
 from tests.fault_proxy import Fault
-from tests.store_helpers import assert_same_weights, store_config, upload_dir, write_adapter
+from tests.store_helpers import assert_same_weights, store_config, upload_client, upload_dir, write_adapter
 
 pytest_plugins = ["tests.s3_fixtures"]  # fixtures: s3, shape
 
@@ -36,11 +36,10 @@ def _cache_files(root):
 
 def _unsigned_client(s3):
     """Uploads without the CRC32 boto3 adds by default: only the ETag (MD5) can verify the body."""
-    import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", endpoint_url=s3.endpoint, config=Config(request_checksum_calculation="when_required",
-                                                                      response_checksum_validation="when_required"))
+    return upload_client(s3.endpoint, Config(request_checksum_calculation="when_required",
+                                             response_checksum_validation="when_required"))
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
