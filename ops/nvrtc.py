@@ -158,9 +158,10 @@ def load_function(source: str, name_expr: str, device: int, extra: tuple[str, ..
 
     major, minor = torch.cuda.get_device_capability(device)
     own = 10 * major + minor
-    if arch is not None and arch > own:
-        raise ValueError(f"sm_{arch} code cannot run on this sm_{own} device")
-    image, lowered = compile_kernel(source, name_expr, arch or own, extra, ptx=arch not in (None, own))
+    target = own if arch is None else arch
+    if target > own:
+        raise ValueError(f"sm_{target} code cannot run on this sm_{own} device")
+    image, lowered = compile_kernel(source, name_expr, target, extra, ptx=target != own)
     ctx = _drv(driver.cuDevicePrimaryCtxRetain(_drv(driver.cuDeviceGet(device), "device")), "context")
     _drv(driver.cuCtxPushCurrent(ctx), "push context")
     try:

@@ -89,6 +89,11 @@ def _arch(device_index: int) -> int:
     return 10 * major + minor
 
 
+def _function(name: str, device_index: int):
+    """Kernel `name` built for the arch the wrappers pick kernels for (_arch)."""
+    return nvrtc.load_function("sgmv.cu", name, device_index, arch=_arch(device_index))
+
+
 def fused_kernel_names(dtype: torch.dtype, max_rank: int, arch: int) -> list[str]:
     """Every fused kernel the defaults can pick for a pool of this dtype and max rank."""
     names = set()
@@ -104,7 +109,7 @@ def warm_up(dtype: torch.dtype, max_rank: int, device) -> None:
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     for name in fused_kernel_names(dtype, max_rank, _arch(index)):
-        nvrtc.load_function("sgmv.cu", name, index, arch=_arch(index))
+        _function(name, index)
 
 
 def _check(x, pool, y, v, segs, y_offset=0):
@@ -171,8 +176,7 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
 def _run(mode, tokens, **kwargs):
     p = launch_plan(mode, tokens, **kwargs)
     if p is not None:
-        func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, arch=_arch(p.device.index))
-        _launch.launch(func, p.blocks, p.threads, p.args, p.device)
+        _launch.launch(_function(p.name, p.device.index), p.blocks, p.threads, p.args, p.device)
 
 
 def sgmv_shrink(v, x, A, indptr, slot_ids, ranks):
