@@ -1,7 +1,18 @@
 """The LoRA add-on, dispatched by device: SGMV CUDA kernels on GPU, the fp32 reference elsewhere."""
+from typing import NamedTuple
+
 import torch
 
 from ops.reference import lora_ref
+
+
+class LoraSlice(NamedTuple):
+    """One member of a fused projection: its pools, its segments' pool slots, its first column in y."""
+
+    A: torch.Tensor  # [slots, max_rank, h_in]
+    B: torch.Tensor  # [slots, max_rank, h_out]
+    slot_ids: torch.Tensor  # [segments] int32, −1: the segment's adapter has no weights here
+    y_offset: int
 
 
 def prepare(dtype, max_rank: int, device) -> None:
@@ -12,21 +23,23 @@ def prepare(dtype, max_rank: int, device) -> None:
         warm_up(dtype, max_rank, device)
 
 
-def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, host_segments=None):
-    """y[seg, off:off+h_out] += scale[slot] * x[seg] @ A[slot].T @ B[slot] per segment (slot −1 skips).
+def add_lora(y, x, slices, indptr, ranks, scales, host_segments=None):
+    """y[seg, off:off+h_out] += scale[slot] * x[seg] @ A[slot].T @ B[slot] per segment and slice (slot −1 skips).
 
-    y: [tokens, >= off + h_out] in place; x: [tokens, h_in]; A: [slots, max_rank, h_in];
-    B: [slots, max_rank, h_out]; indptr: [segments + 1] int32; slot_ids: [segments] int32.
-    host_segments: the same segments as host tuples (lo, hi, slot, rank, scale); on the CPU
-    they spare the per-call device→host reads of the reference, computing in x's dtype.
+    y: [tokens, >= off + h_out] in place; x: [tokens, h_in]; slices: LoraSlice per member of a
+    fused projection (one launch on CUDA for all of them); indptr: [segments + 1] int32.
+    host_segments: per slice, the same segments as host tuples (lo, hi, slot, rank, scale); on
+    the CPU they spare the per-call device→host reads of the reference, computing in x's dtype.
     """
     if x.is_cuda:
-        from ops.sgmv import add_lora as sgmv_add_lora
+        from ops.sgmv import add_lora_sliced
 
-        return sgmv_add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=y_offset)
-    if host_segments is None:
-        return lora_ref(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset)
-    cols = slice(y_offset, y_offset + B.shape[-1])
-    for lo, hi, slot, r, scale in host_segments:
-        y[lo:hi, cols] += (x[lo:hi] @ A[slot, :r].T) @ B[slot, :r] * scale
+        return add_lora_sliced(y, x, slices, indptr, ranks, scales)
+    for i, s in enumerate(slices):
+        if host_segments is None:
+            lora_ref(y, x, s.A, s.B, indptr, s.slot_ids, ranks, scales, s.y_offset)
+            continue
+        cols = slice(s.y_offset, s.y_offset + s.B.shape[-1])
+        for lo, hi, slot, r, scale in host_segments[i]:
+            y[lo:hi, cols] += (x[lo:hi] @ s.A[slot, :r].T) @ s.B[slot, :r] * scale
     return y

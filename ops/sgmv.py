@@ -48,9 +48,26 @@ class _Args(ctypes.Structure):
     _fields_ += [(n, ctypes.c_int) for n in ("nseg", "tokens", "h_in", "h_out", "max_rank", "slots")]
 
 
+class _Slice(ctypes.Structure):
+    """Mirror of `SliceArgs` in kernels/args.cuh."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in ("A", "B", "slot_ids")]
+    _fields_ += [(n, ctypes.c_int) for n in ("y_shift", "b_slot", "h_out")]
+
+
+MAX_SLICES = 3  # SgmvSlices: the base's slice and two more (q|k|v)
+
+
+class _Slices(ctypes.Structure):
+    """Mirror of `SgmvSlices` in kernels/args.cuh."""
+
+    _fields_ = [("base", _Args), ("more", _Slice * (MAX_SLICES - 1))]
+
+
 def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch: int, split: int = _SPLIT,
-                warps: int = 4):
-    """(template instantiation, blocks per item, rows per item, warps per block) for one call shape."""
+                warps: int = 4, sliced: bool = False):
+    """(template instantiation, blocks per item, rows per item, warps per block) for one call shape;
+    sliced: the fused kernel over several slices (add_lora_sliced)."""
     rmax = next((r for r in _RMAX if max_rank <= r), None)
     if rmax is None:
         raise ValueError(f"max_rank {max_rank} > {_RMAX[-1]}")
@@ -60,16 +77,16 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
     if mode != FUSED or mt != 1 or arch < 90:
         warps = 4  # 8-warp blocks: decode tiles of the fused cluster kernel only
     cluster = "cluster_" if split > 1 and mode != EXPAND else ""
-    name = f"sgmv_{cluster}kernel<{_CTYPE[dtype]}, {rmax}, {mt}, {split}, {mode}, float, {warps}>"
+    name = f"sgmv_{'sliced_' if sliced else ''}{cluster}kernel<{_CTYPE[dtype]}, {rmax}, {mt}, {split}, {mode}, float, {warps}>"
     return name, split, 16 * mt, warps
 
 
 def all_kernel_names(arch: int) -> list[str]:
     """Every instantiation the wrappers can ask for on `arch` (CI compiles them all)."""
-    shapes = [(m, dt, r, t, split, w) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
+    shapes = [(m, dt, r, t, split, w, sl) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
               for t in (1, _BIG_TILE_TOKENS) for split in (_FORCEABLE_SPLITS if m == FUSED else (_SPLIT,))
-              for w in _FORCEABLE_WARPS]
-    return sorted({kernel_name(m, dt, r, t, arch, split, w)[0] for m, dt, r, t, split, w in shapes})
+              for w in _FORCEABLE_WARPS for sl in ((False, True) if m == FUSED else (False,))]
+    return sorted({kernel_name(m, dt, r, t, arch, split, w, sl)[0] for m, dt, r, t, split, w, sl in shapes})
 
 
 def _fused_shape(items: int, rows: int, device: int) -> tuple[int, int]:
@@ -95,11 +112,12 @@ def _function(name: str, device_index: int):
 
 
 def fused_kernel_names(dtype: torch.dtype, max_rank: int, arch: int) -> list[str]:
-    """Every fused kernel the defaults can pick for a pool of this dtype and max rank."""
+    """Every fused kernel (one slice or several) the defaults can pick for a pool of this dtype and max rank."""
     names = set()
     for tokens in (1, _BIG_TILE_TOKENS):
         rows = kernel_name(FUSED, dtype, max_rank, tokens, arch)[2]
-        names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, w)[0] for s, w, _ in _FUSED_SHAPES[rows]}
+        names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, w, sliced)[0]
+                  for s, w, _ in _FUSED_SHAPES[rows] for sliced in (False, True)}
     return sorted(names)
 
 
@@ -133,30 +151,33 @@ def _ptr(t, offset=0):
 
 
 class Plan(NamedTuple):
-    """One kernel launch: which instantiation, its grid (blocks of `cluster`), its arguments, on which device."""
+    """One kernel launch: which instantiation, its grid (`blocks` in clusters of `cluster`, by
+    `slices`), its arguments, on which device."""
 
     name: str
     blocks: int
     threads: int
-    args: _Args
+    args: _Args | _Slices
     device: torch.device
     cluster: int
+    slices: int = 1
 
 
 def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_ids, ranks, scales=None,
-                y_offset=0, split=None, warps=None) -> Plan | None:
+                y_offset=0, split=None, warps=None, more=()) -> Plan | None:
     """The launch of one call, or None when there is nothing to do; split / warps None:
-    the measured defaults (forced by the benchmark and the tests)."""
+    the measured defaults (forced by the benchmark and the tests); more: the slices after
+    the first of a sliced add-on (FUSED; the first is A, B, slot_ids, y_offset)."""
     pool = A if A is not None else B
     dev, arch, nseg, max_rank = pool.device, _arch(pool.device.index), slot_ids.numel(), pool.shape[1]
     if nseg == 0 or tokens == 0:
         return None
     rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch)[2]
-    items = nseg + (tokens + rows - 1) // rows - 1  # kernels/segments.cuh
-    shape = _fused_shape(items, rows, dev.index) if mode == FUSED else (_SPLIT, 4)
+    items = nseg + (tokens + rows - 1) // rows - 1  # per slice: kernels/segments.cuh
+    shape = _fused_shape(items * (1 + len(more)), rows, dev.index) if mode == FUSED else (_SPLIT, 4)
     split = shape[0] if split is None else split
     warps = shape[1] if warps is None else warps
-    name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps)
+    name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps, bool(more))
     args = _Args(
         x=_ptr(x), y=_ptr(y, y_offset), v=_ptr(v), A=_ptr(A), B=_ptr(B),
         indptr=_ptr(indptr), slot_ids=_ptr(slot_ids), ranks=_ptr(ranks), scales=_ptr(scales),
@@ -170,13 +191,17 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
         h_out=0 if B is None else B.shape[2],
         max_rank=max_rank, slots=ranks.numel(),
     )
-    return Plan(name, items * split, 32 * warps, args, dev, split)
+    if more:
+        args = _Slices(args, (_Slice * (MAX_SLICES - 1))(*(
+            _Slice(A=_ptr(s.A), B=_ptr(s.B), slot_ids=_ptr(s.slot_ids), y_shift=s.y_offset - y_offset,
+                   b_slot=s.B.stride(0), h_out=s.B.shape[2]) for s in more)))
+    return Plan(name, items * split, 32 * warps, args, dev, split, 1 + len(more))
 
 
 def _run(mode, tokens, **kwargs):
     p = launch_plan(mode, tokens, **kwargs)
     if p is not None:
-        _launch.launch(_function(p.name, p.device.index), p.blocks, p.threads, p.args, p.device)
+        _launch.launch(_function(p.name, p.device.index), p.blocks, p.threads, p.args, p.device, grid_y=p.slices)
 
 
 def sgmv_shrink(v, x, A, indptr, slot_ids, ranks):
@@ -232,4 +257,31 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
     _check(x, B, y, None, (), y_offset)
     _run(FUSED, x.shape[0], x=x, y=y, v=v, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks,
          scales=scales, y_offset=y_offset, split=split, warps=warps)
+    return y
+
+
+def add_lora_sliced(y, x, slices, indptr, ranks, scales, *, split=None, warps=None):
+    """add_lora for every slice (A, B, slot_ids, y_offset) of a fused projection, in one launch.
+
+    For each slice: y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T
+    @ B[slot_i, :r_i] with that slice's slot ids (slot −1: not in this member) and columns.
+    slices: 1..MAX_SLICES `ops.lora.LoraSlice`s; A pools alike ([slots, max_rank, h_in]); B pools
+    [slots, max_rank, h_out of the slice]; ranks, scales and the segments are shared. One
+    launch instead of one per member: one launch gap, one index round trip and one tail
+    (benchmarks/sgmv.py, sliced). Returns y.
+    """
+    if not 1 <= len(slices) <= MAX_SLICES:
+        raise ValueError(f"1..{MAX_SLICES} slices, got {len(slices)}")
+    first = slices[0]
+    if len(slices) == 1 or not x.is_cuda:
+        for s in slices:
+            add_lora(y, x, s.A, s.B, indptr, s.slot_ids, ranks, scales, s.y_offset, split=split, warps=warps)
+        return y
+    for s in slices:
+        if s.A.shape != first.A.shape or s.B.shape[:2] != first.B.shape[:2] or s.slot_ids.shape != first.slot_ids.shape:
+            raise ValueError("slices must share the pools' slots, max rank and h_in, and the segments")
+        _check(x, s.A, y, None, (indptr, s.slot_ids, ranks, scales), s.y_offset)
+        _check(x, s.B, y, None, (), s.y_offset)
+    _run(FUSED, x.shape[0], x=x, y=y, A=first.A, B=first.B, indptr=indptr, slot_ids=first.slot_ids, ranks=ranks,
+         scales=scales, y_offset=first.y_offset, split=split, warps=warps, more=tuple(slices[1:]))
     return y

@@ -9,7 +9,7 @@ from app.model.config import ModelConfig
 from app.model.inputs import LoraSegments, StepInputs
 from app.model.weights import FUSED, ModelWeights
 from ops.attention import paged_attention, write_kv
-from ops.lora import add_lora
+from ops.lora import LoraSlice, add_lora
 from ops.norms import rms_norm
 from ops.rope import apply_rope, rope_cos_sin
 
@@ -58,11 +58,12 @@ class LlamaModel:
         y = x @ self.w.layers[i].proj[fused].T
         if lora is None:
             return y
-        offset = 0
+        pool, members, offset = self.lora_pool, [], 0
         for m in FUSED[fused][1]:
             if lora.host[m]:
-                pool = self.lora_pool
-                add_lora(y, x, pool.A[m][i], pool.B[m][i], lora.indptr, lora.slot_ids[m], pool.ranks, pool.scales,
-                         offset, host_segments=lora.host[m])
+                members.append((m, LoraSlice(pool.A[m][i], pool.B[m][i], lora.slot_ids[m], offset)))
             offset += self._out_dims[m]
+        if members:
+            add_lora(y, x, [s for _, s in members], lora.indptr, pool.ranks, pool.scales,
+                     host_segments=[lora.host[m] for m, _ in members])
         return y

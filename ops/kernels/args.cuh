@@ -16,6 +16,22 @@ struct SgmvArgs {
   int nseg, tokens, h_in, h_out, max_rank, slots;
 };
 
+// The second and third slices of a sliced add-on (sgmv.cu); the first is SgmvArgs' own. Fields
+// in 32 bits where they fit (ops/sgmv.py checks), as the kernel holds them in registers.
+struct SliceArgs {
+  const void* A;
+  const void* B;
+  const int* slot_ids;
+  int y_shift;  // elements from SgmvArgs' y to the slice's first output column
+  int b_slot;
+  int h_out;
+};
+
+struct SgmvSlices {  // mirrored by ops/sgmv.py's _Slices
+  SgmvArgs base;
+  SliceArgs more[2];
+};
+
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 

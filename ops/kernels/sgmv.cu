@@ -54,8 +54,10 @@ __device__ __forceinline__ int2 share(int n, int unit, int part, int SPLIT) {
   return make_int2(min(n, part * per), min(n, part * per + per));
 }
 
-template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
-__device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
+// `item`: the work item this block's cluster (or, with SPLIT 1, this block) computes. SLICED:
+// `a` is one slice's (sliced_body), its pointers held in registers, not read as constants.
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W, bool SLICED = false>
+__device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
   using TL = Tile<T, RMAX, MT, W>;
   constexpr bool CLUSTER = SPLIT > 1 && MODE != EXPAND;
   __shared__ __align__(16) float part[TL::M][RMAX];
@@ -66,7 +68,8 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   constexpr bool PIPE = MT == 1 && RMAX <= (W == 8 ? 16 : 32);  // as registers allow
   // 16-byte loads in flight per lane, as the register cap allows without spills (ptxas -v,
   // tests/test_kernels_compile.py); the shrink kernel alone keeps more addresses live
-  constexpr int BUDGET = W == 8 ? 16 : MT == 1 && SPLIT <= 4 ? (MODE == SHRINK ? 28 : 30) : 24;
+  // (sliced kernels hold their slice's pointers in registers: four loads fewer, or they spill)
+  constexpr int BUDGET = (W == 8 ? 16 : MT == 1 && SPLIT <= 4 ? (MODE == SHRINK ? 28 : 30) : 24) - (SLICED ? 4 : 0);
   // Decode tiles, where registers allow: the expand's first loads (B does not depend on v)
   // fly with the shrink's. (Streaming all of B beside A through shared memory was slower:
   // benchmarks/results/trace_runs.)
@@ -95,7 +98,7 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   constexpr bool STAGE_SCALES = !PUSH;
   StagedLoads<32 * W, STAGE_SCALES> staged;  // in flight during the segment search
   staged.issue(a.slot_ids, a.nseg, a.ranks, a.scales, a.slots);
-  const int segs_before = find_segment(a.indptr, a.nseg, a.tokens, TL::M, blockIdx.x / SPLIT);
+  const int segs_before = find_segment(a.indptr, a.nseg, a.tokens, TL::M, item);
   const int2 seg_rows = segment_rows(a.indptr, segs_before);
   // After the index loads are issued: the barrier's init fence held warp 0's back (H200: the
   // item is found at 1.0 µs instead of 1.3, B=16 ranks 16 and 32 -0.25 to -0.35 µs;
@@ -107,7 +110,7 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
   staged.store(index);
   __syncthreads();
   Piece pc;  // the whole cluster finds the same item, so it returns together
-  if (!find_piece(a.slot_ids, index, TL::M, blockIdx.x / SPLIT, segs_before, seg_rows, pc)) return;
+  if (!find_piece(a.slot_ids, index, TL::M, item, segs_before, seg_rows, pc)) return;
   TRACE(1)
   if (!adapter_rank<STAGE_SCALES>(a.ranks, a.scales, index, a.max_rank, pc)) return;
   TRACE(2)
@@ -179,12 +182,40 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a) {
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
 __global__ void __launch_bounds__(32 * W, MINB) sgmv_kernel(const SgmvArgs a) {
   static_assert(MODE == EXPAND || SPLIT == 1, "split-K needs the cluster kernel");
-  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W>(a);
+  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W>(a, blockIdx.x / SPLIT);
+}
+
+// A sliced add-on: the members of a fused projection (q|k|v, gate|up) in one launch, over the
+// same x and segments, each slice with its own pools, slot ids and output columns. The grid's
+// row blockIdx.y is the slice, so `item` stays a function of blockIdx.x (as registers allow).
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
+__device__ __forceinline__ void sliced_body(const SgmvSlices& s) {
+  static_assert(MODE == FUSED, "slices: the fused add-on only");
+  const SgmvArgs& b = s.base;
+  const int slice = blockIdx.y;
+  SgmvArgs a = b;
+  if (slice > 0) {  // constant indices only: a dynamic index would copy the parameters to local memory
+    const SliceArgs& m = slice == 1 ? s.more[0] : s.more[1];
+    a.A = m.A, a.B = m.B, a.slot_ids = m.slot_ids, a.b_slot = m.b_slot, a.h_out = m.h_out;
+    a.y = static_cast<T*>(b.y) + m.y_shift;
+  }
+  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W, true>(a, blockIdx.x / SPLIT);
+}
+
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
+__global__ void __launch_bounds__(32 * W, MINB) sgmv_sliced_kernel(const SgmvSlices s) {
+  static_assert(SPLIT == 1, "split-K needs the cluster kernel");
+  sliced_body<T, RMAX, MT, SPLIT, MODE, VT, W>(s);
 }
 
 #if __CUDA_ARCH__ >= 900
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
 __global__ void __launch_bounds__(32 * W, MINB) __cluster_dims__(SPLIT, 1, 1) sgmv_cluster_kernel(const SgmvArgs a) {
-  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W>(a);
+  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W>(a, blockIdx.x / SPLIT);
+}
+
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
+__global__ void __launch_bounds__(32 * W, MINB) __cluster_dims__(SPLIT, 1, 1) sgmv_sliced_cluster_kernel(const SgmvSlices s) {
+  sliced_body<T, RMAX, MT, SPLIT, MODE, VT, W>(s);
 }
 #endif

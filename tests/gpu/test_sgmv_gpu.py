@@ -15,6 +15,7 @@ import torch
 
 from benchmarks.sgmv import request_adapters  # Punica's four workloads, as benchmarked
 from ops import sgmv
+from ops.lora import LoraSlice
 from ops.reference import lora_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -39,12 +40,14 @@ def make_segments(workload, batch, rng):
     return segs
 
 
-def make_pool(dtype, h_in, h_out, rank, seed):
+def make_pool(dtype, h_in, h_out, rank, seed, ranks=None):
+    """A, B (NaN past each slot's rank), ranks and scales; `ranks` given: a pool sharing them."""
     torch.manual_seed(seed)
     max_rank = 128 if rank == "mixed" else rank
-    ranks = torch.full((SLOTS,), max_rank, dtype=torch.int32, device="cuda")
-    if rank == "mixed":
+    if ranks is None and rank == "mixed":
         ranks = torch.tensor(MIXED, dtype=torch.int32, device="cuda")[torch.randint(len(MIXED), (SLOTS,), device="cuda")]
+    elif ranks is None:
+        ranks = torch.full((SLOTS,), max_rank, dtype=torch.int32, device="cuda")
     A = torch.randn(SLOTS, max_rank, h_in, device="cuda").div_(math.sqrt(h_in))
     B = torch.randn(SLOTS, max_rank, h_out, device="cuda").div_(ranks.float().sqrt()[:, None, None])
     beyond = torch.arange(max_rank, device="cuda")[None, :] >= ranks[:, None]
@@ -164,6 +167,62 @@ def test_sm80_code_path_on_this_device(monkeypatch):
     segs = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
     plan = sgmv.launch_plan(sgmv.FUSED, 1, A=A, B=B, indptr=segs, slot_ids=segs[:1], ranks=ranks, scales=scales)
     assert "cluster" not in plan.name and plan.cluster == 1
+    assert not failures, "\n".join(failures[:20])
+
+
+def slice_reference(x, slices, segs, ranks, scales, y0):
+    """fp32 y of a sliced add-on (each slice's own segment slots), and per slice the rows it adapts."""
+    y, adapted = y0.float(), []
+    starts = np.cumsum([0] + [n for _, n in segs])
+    for s in slices:
+        rows = torch.zeros(len(y), dtype=torch.bool, device="cuda")
+        cols = slice(s.y_offset, s.y_offset + s.B.shape[2])
+        for slot, lo, hi in zip(s.slot_ids.tolist(), starts[:-1], starts[1:]):
+            if slot >= 0:
+                r = int(ranks[slot])
+                y[lo:hi, cols] += float(scales[slot]) * (x[lo:hi].float() @ s.A[slot, :r].float().T @ s.B[slot, :r].float())
+                rows[lo:hi] = True
+        adapted.append(rows)
+    return y, adapted
+
+
+@pytest.mark.parametrize("split", (None, 4, 8, 16, "sm_80"))
+@pytest.mark.parametrize("h_outs", [(4096, 1024, 1024), (11008, 11008)], ids=("qkv_gqa", "gate_up"))
+def test_sliced_equals_reference_of_every_slice(h_outs, split, monkeypatch):
+    """q|k|v or gate|up in one launch: each slice its own pools and slot ids (an adapter may skip
+    a member: −1), its own columns of one y; every slice equals its reference, nothing else moves.
+    sm_80: the A100's kernel (no clusters), as in test_sm80_code_path_on_this_device."""
+    if split == "sm_80":
+        monkeypatch.setattr(sgmv, "_arch", lambda index: 80)
+        split = None
+    rng = np.random.default_rng(len(h_outs) * 10 + (split or 0))
+    dtype = torch.bfloat16 if split == 8 else torch.float16
+    first = make_pool(dtype, 4096, h_outs[0], "mixed", seed=3)
+    pools = [first] + [make_pool(dtype, 4096, h, "mixed", seed=4 + k, ranks=first[2]) for k, h in enumerate(h_outs[1:])]
+    offsets = PAD + np.cumsum([0, *h_outs[:-1]])
+    failures = []
+    for workload in WORKLOADS:
+        for batch in (1, 7, 16, 64, 300):
+            segs = make_segments(workload, batch, rng)
+            tokens = sum(n for _, n in segs)
+            indptr = torch.tensor(np.cumsum([0] + [n for _, n in segs]), dtype=torch.int32, device="cuda")
+            slot_ids = [torch.tensor([s if k == 0 or rng.random() < 0.7 else -1 for s, _ in segs],
+                                     dtype=torch.int32, device="cuda") for k in range(len(h_outs))]
+            slices = [LoraSlice(A, B, ids, int(off)) for (A, B, _, _), ids, off in zip(pools, slot_ids, offsets)]
+            x = torch.randn(tokens, 4096, device="cuda", dtype=dtype)
+            y0 = (torch.randn(tokens, sum(h_outs) + 2 * PAD, device="cuda") * 0.05).to(dtype)
+            y_ref, adapted = slice_reference(x, slices, segs, first[2].cpu(), first[3].cpu(), y0)
+            y = sgmv.add_lora_sliced(y0.clone(), x, slices, indptr, first[2], first[3], split=split)
+            case = f"{h_outs} split={split} {workload} B={batch}"
+            for s, rows, h in zip(slices, adapted, h_outs):
+                cols = slice(s.y_offset, s.y_offset + h)
+                if not torch.equal(y[~rows, cols], y0[~rows, cols]):
+                    failures.append(f"{case} slice at {s.y_offset}: wrote rows it does not adapt")
+                delta, ref = y[rows, cols].float() - y0[rows, cols].float(), y_ref[rows, cols] - y0[rows, cols].float()
+                if rows.any() and not (err := rel_err(delta, ref)) < TOL:
+                    failures.append(f"{case} slice at {s.y_offset}: rel err {err:.2e}")
+            if not torch.equal(y[:, :PAD], y0[:, :PAD]) or not torch.equal(y[:, -PAD:], y0[:, -PAD:]):
+                failures.append(f"{case}: wrote outside the slices")
     assert not failures, "\n".join(failures[:20])
 
 
