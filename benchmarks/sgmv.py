@@ -2,6 +2,7 @@
 
 On the device:  python benchmarks/sgmv.py --out benchmarks/results/sgmv_h200.json
 Anywhere:       python benchmarks/sgmv.py --plot-only [--peers ../shared/anchors/sgmv_peers_h200.json]
+The A100's kernels on this GPU: --arch 80 --out benchmarks/results/sgmv_h200_sm80.json
 
 Method (same as the peer figures): adapter pool of 512 slots, h=4096, fp16;
 each variant is captured as a one-add-on CUDA graph and replayed behind an L2
@@ -190,14 +191,15 @@ def run(out):
                 phases.append(time_phases(Case(rank, "distinct", batch, rng, pool), flush))
                 print(phases[-1], flush=True)
         for r, workload, batch in SWEEP:
-            if r == rank:
+            if r == rank and sgmv._arch(torch.cuda.current_device()) >= 90:  # before sm_90 there is no width
                 case = Case(rank, workload, batch, rng, pool)
                 for split, warps in itertools.product((4, 8, 16), (4, 8)):
                     sweep.append(dict(rank=rank, workload=workload, batch=batch, split=split, warps=warps,
                                       us=time_graph(lambda: case.ours(split, warps), flush)))
                     print(sweep[-1], flush=True)
         del pool
-    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
+    meta = dict(gpu=torch.cuda.get_device_name(), kernel_arch=sgmv._arch(torch.cuda.current_device()),
+                date=datetime.date.today().isoformat(), torch=torch.__version__,
                 copy_bw_GBps=bw / 1e9, null_graph_us=null_us, hidden=H, pool=POOL, dtype="float16",
                 zipf_alpha=ZIPF, reps=REPS,
                 timing="median of CUDA-event timings of a one-add-on CUDA graph replayed behind a 256 MiB "
@@ -258,7 +260,8 @@ def plot(result, png):
                 ax.set_xlabel("batch size")
     axes[0][0].legend(fontsize=8)
     meta = result["meta"]
-    fig.suptitle(f"SGMV LoRA add-on, {meta['gpu']}, h={meta['hidden']}, fp16, pool {meta['pool']} "
+    older = f", kernels built for sm_{meta['kernel_arch']}" if meta.get("kernel_arch", 90) < 90 else ""
+    fig.suptitle(f"SGMV LoRA add-on, {meta['gpu']}{older}, h={meta['hidden']}, fp16, pool {meta['pool']} "
                  f"(copy bw {meta['copy_bw_GBps']:.0f} GB/s)")
     fig.tight_layout()
     fig.savefig(png, dpi=80)
@@ -269,7 +272,11 @@ def main():
     ap.add_argument("--out", type=pathlib.Path, default=RESULT)
     ap.add_argument("--plot-only", action="store_true", help="read --out, add --peers, write the PNG")
     ap.add_argument("--peers", type=pathlib.Path, help="peer figures (vLLM) to compare against")
+    ap.add_argument("--arch", type=int, help="run the kernels built for this older arch (80: the A100's, no "
+                    "clusters; PTX compiled by the driver) on this GPU")
     args = ap.parse_args()
+    if args.arch:
+        sgmv._arch = lambda index: args.arch
     if not args.plot_only:
         run(args.out)
     result = json.loads(args.out.read_text())

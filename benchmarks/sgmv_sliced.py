@@ -30,6 +30,9 @@ PROJECTIONS = {"qkv 7B": (4096, 4096, 4096), "qkv 8B GQA": (4096, 1024, 1024), "
 RANKS = (16, 32, 64)
 WORKLOADS = ("distinct", "uniform", "identical")
 BATCHES = (1, 4, 16, 64, 256)
+# the sliced launch with each cluster width: do the defaults (ops/sgmv.py's _FUSED_SHAPES, picked
+# by the whole grid's items) hold for slices too?
+SWEEP = [(p, r, "distinct", b) for p in ("qkv 7B", "gate_up 7B") for r in (16, 64) for b in (4, 16, 64)]
 RESULT = pathlib.Path(__file__).parent / "results" / "sgmv_sliced_h200.json"
 
 
@@ -53,8 +56,14 @@ class Case:
         for s in self.slices:
             sgmv.add_lora(self.y, self.x, s.A, s.B, self.indptr, s.slot_ids, self.ranks, self.scales, s.y_offset)
 
-    def sliced(self):
-        sgmv.add_lora_sliced(self.y, self.x, self.slices, self.indptr, self.ranks, self.scales)
+    def sliced(self, split=None):
+        sgmv.add_lora_sliced(self.y, self.x, self.slices, self.indptr, self.ranks, self.scales, split=split)
+
+    def split(self):
+        """The cluster width add_lora_sliced picks for this batch."""
+        s = self.slices
+        return sgmv.launch_plan(sgmv.FUSED, self.x.shape[0], x=self.x, y=self.y, A=s[0].A, B=s[0].B, indptr=self.indptr,
+                                slot_ids=s[0].slot_ids, ranks=self.ranks, scales=self.scales, more=tuple(s[1:])).cluster
 
     def check(self):
         """The sliced launch adds what the per-member launches add (each checked against the
@@ -74,7 +83,7 @@ def run(out):
     rng = np.random.default_rng(0)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     bw = copy_bandwidth()
-    rows = []
+    rows, sweep = [], []
     for proj, widths in PROJECTIONS.items():
         for rank in RANKS:
             pools = [(torch.randn(POOL, rank, H_IN, device="cuda", dtype=torch.float16) / H_IN**0.5,
@@ -89,13 +98,18 @@ def run(out):
                     rows.append(row)
                     print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                           flush=True)
+            for _, _, workload, batch in (c for c in SWEEP if c[:2] == (proj, rank)):
+                case = Case(pools, rank, workload, batch, rng)
+                sweep.append(dict(projection=proj, rank=rank, workload=workload, batch=batch, default_split=case.split(),
+                                  **{f"split{s}_us": time_graph(lambda: case.sliced(s), flush) for s in (4, 8, 16)}))
+                print(sweep[-1], flush=True)
             del pools
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
                 copy_bw_GBps=bw / 1e9, h_in=H_IN, pool=POOL, dtype="float16", reps=REPS,
                 projections=PROJECTIONS,
                 timing="median of CUDA-event timings of one CUDA graph (one sliced launch, or one launch per "
                        "member back to back) replayed behind a 256 MiB L2 flush")
-    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    out.write_text(json.dumps(dict(meta=meta, rows=rows, sweep=sweep), indent=1))
 
 
 def table(result):
@@ -104,6 +118,10 @@ def table(result):
     for r in result["rows"]:
         print(f"{r['projection']:>11} {r['rank']:>4} {r['workload']:>9} {r['batch']:>4} {r['sliced_us']:8.1f} "
               f"{r['per_member_us']:11.1f} {r['floor_us']:7.1f} {r['sliced_us'] / r['per_member_us']:18.2f}")
+    for r in result.get("sweep", []):
+        widths = ", ".join(f"{s}: {r[f'split{s}_us']:.1f}" for s in (4, 8, 16))
+        print(f"sweep {r['projection']} r={r['rank']} {r['workload']} B={r['batch']}: clusters of {widths} µs "
+              f"(default {r['default_split']})")
 
 
 def plot(result, png):

@@ -26,9 +26,13 @@ _SPLIT = 8  # blocks sharing one work item: split-K in the shrink, split-N in th
 # blocks of 4 warps, in clusters of 16 while the grid fits ~two blocks per SM at that
 # width (up to 17 items, e.g. 17 distinct adapters), of 8 while it fits at 8 (34 items),
 # else of 4. 8-warp blocks, best before the index arrays were staged in shared memory,
-# now tie or lose. (cluster width, warps, most blocks per SM), by rows per item:
+# now tie or lose. (cluster width, warps, most blocks per SM), by rows per item (and rank tile):
 _FUSED_SHAPES = {
     16: ((16, 4, 2.1), (8, 4, 2.1), (4, 4, float("inf"))),
+    # rank 64 decode: clusters of 8 at every larger grid too, several waves of them (Distinct
+    # B = 40..255: -0.8 to -13 µs against 4; benchmarks/results/trace_runs/variants_rank_split.json).
+    # Not ranks 32 (4 is 1-5 µs faster) nor 128 (4 best at B = 48, 64, 255; 8 at 128)
+    (16, 64): ((16, 4, 2.1), (8, 4, float("inf"))),
     # 32-row prefill items: every block gathers its peers' 32-row partials, so wide clusters
     # cost more than they stream (benchmarks/sgmv_variants.py, e.g. r64 one adapter 512
     # tokens: 35.4 µs in 16-block clusters, 24.3 in 8, 26.9 in 4)
@@ -68,7 +72,7 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
                 warps: int = 4, sliced: bool = False):
     """(template instantiation, blocks per item, rows per item, warps per block) for one call shape;
     sliced: the fused kernel over several slices (add_lora_sliced)."""
-    rmax = next((r for r in _RMAX if max_rank <= r), None)
+    rmax = _rmax(max_rank)
     if rmax is None:
         raise ValueError(f"max_rank {max_rank} > {_RMAX[-1]}")
     mt = 2 if mode == FUSED and tokens >= _BIG_TILE_TOKENS else 1
@@ -81,6 +85,11 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
     return name, split, 16 * mt, warps
 
 
+def _rmax(max_rank: int) -> int | None:
+    """The rank tile of the kernels for a pool of this max rank (None: too large)."""
+    return next((r for r in _RMAX if max_rank <= r), None)
+
+
 def all_kernel_names(arch: int) -> list[str]:
     """Every instantiation the wrappers can ask for on `arch` (CI compiles them all)."""
     shapes = [(m, dt, r, t, split, w, sl) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
@@ -89,10 +98,15 @@ def all_kernel_names(arch: int) -> list[str]:
     return sorted({kernel_name(m, dt, r, t, arch, split, w, sl)[0] for m, dt, r, t, split, w, sl in shapes})
 
 
-def _fused_shape(items: int, rows: int, device: int) -> tuple[int, int]:
+def _fused_shapes(rows: int, max_rank: int):
+    """add_lora's (cluster width, warps, most blocks per SM) choices for items of `rows` rows."""
+    return _FUSED_SHAPES.get((rows, _rmax(max_rank)), _FUSED_SHAPES[rows])
+
+
+def _fused_shape(items: int, rows: int, max_rank: int, device: int) -> tuple[int, int]:
     """(cluster width, warps per block) of add_lora for a grid of `items` work items of `rows` rows."""
     sms = _sm_count(device)
-    return next((s, w) for s, w, per_sm in _FUSED_SHAPES[rows] if items * s <= per_sm * sms)
+    return next((s, w) for s, w, per_sm in _fused_shapes(rows, max_rank) if items * s <= per_sm * sms)
 
 
 @functools.cache
@@ -117,7 +131,7 @@ def fused_kernel_names(dtype: torch.dtype, max_rank: int, arch: int) -> list[str
     for tokens in (1, _BIG_TILE_TOKENS):
         rows = kernel_name(FUSED, dtype, max_rank, tokens, arch)[2]
         names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, w, sliced)[0]
-                  for s, w, _ in _FUSED_SHAPES[rows] for sliced in (False, True)}
+                  for s, w, _ in _fused_shapes(rows, max_rank) for sliced in (False, True)}
     return sorted(names)
 
 
@@ -174,7 +188,7 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
         return None
     rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch)[2]
     items = nseg + (tokens + rows - 1) // rows - 1  # per slice: kernels/segments.cuh
-    shape = _fused_shape(items * (1 + len(more)), rows, dev.index) if mode == FUSED else (_SPLIT, 4)
+    shape = _fused_shape(items * (1 + len(more)), rows, max_rank, dev.index) if mode == FUSED else (_SPLIT, 4)
     split = shape[0] if split is None else split
     warps = shape[1] if warps is None else warps
     name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps, bool(more))
