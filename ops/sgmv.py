@@ -31,7 +31,7 @@ _FUSED_SHAPES = {
     16: ((16, 4, 2.1), (8, 4, 2.1), (4, 4, float("inf"))),
     # rank 64 decode: clusters of 8 at every larger grid too, several waves of them (Distinct
     # B = 40..255: -0.8 to -13 µs against 4; benchmarks/results/trace_runs/variants_rank_split.json).
-    # Not ranks 32 (4 is 1-5 µs faster) nor 128 (4 best at B = 48, 64, 255; 8 at 128)
+    # Not ranks 32 (4 as fast or up to 5 µs faster) nor 128 (4 best at B = 48, 64, 255; 8 at 128)
     (16, 64): ((16, 4, 2.1), (8, 4, float("inf"))),
     # 32-row prefill items: every block gathers its peers' 32-row partials, so wide clusters
     # cost more than they stream (benchmarks/sgmv_variants.py, e.g. r64 one adapter 512
