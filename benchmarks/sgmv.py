@@ -251,18 +251,28 @@ def plot(result, png):
                     ax.plot([r["batch"] for r in rows], [r[key] for r in rows], marker="o", label=label,
                             linestyle="--" if key in ("floor_us", "read_only_us") else "-")
             ax.axhline(result["meta"]["null_graph_us"], color="grey", linestyle=":", label="graph of one empty kernel")
-            ax.set(xscale="log", yscale="log", title=f"r={rank} {workload}", xticks=BATCHES)
-            ax.set_xticklabels(BATCHES)
-            ax.grid(True, which="both", alpha=0.3)
-            if j == 0:
-                ax.set_ylabel("µs per LoRA add-on")
-            if i == len(RANKS) - 1:
-                ax.set_xlabel("batch size")
+            latency_axes(ax, f"r={rank} {workload}", BATCHES, "µs per LoRA add-on" if j == 0 else None,
+                         i == len(RANKS) - 1)
     axes[0][0].legend(fontsize=8)
     meta = result["meta"]
     older = f", kernels built for sm_{meta['kernel_arch']}" if meta.get("kernel_arch", 90) < 90 else ""
-    fig.suptitle(f"SGMV LoRA add-on, {meta['gpu']}{older}, h={meta['hidden']}, fp16, pool {meta['pool']} "
-                 f"(copy bw {meta['copy_bw_GBps']:.0f} GB/s)")
+    save_figure(fig, f"SGMV LoRA add-on, {meta['gpu']}{older}, h={meta['hidden']}, fp16, pool {meta['pool']} "
+                     f"(copy bw {meta['copy_bw_GBps']:.0f} GB/s)", png)
+
+
+def latency_axes(ax, title, batches, ylabel, xlabel):
+    """Log-log latency against batch size, as every SGMV plot draws it (labels on the edges only)."""
+    ax.set(xscale="log", yscale="log", title=title, xticks=batches)
+    ax.set_xticklabels(batches)
+    ax.grid(True, which="both", alpha=0.3)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    if xlabel:
+        ax.set_xlabel("batch size")
+
+
+def save_figure(fig, title, png):
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(png, dpi=80)
 

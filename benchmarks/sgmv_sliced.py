@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.sgmv import POOL, REPS, copy_bandwidth, request_adapters, time_graph  # noqa: E402
+from benchmarks.sgmv import (POOL, REPS, copy_bandwidth, latency_axes, request_adapters,  # noqa: E402
+                             save_figure, time_graph)
 from ops import sgmv  # noqa: E402
 from ops.lora import LoraSlice  # noqa: E402
 
@@ -142,19 +143,12 @@ def plot(result, png):
                 ax.plot(b, [r["per_member_us"] for r in rows], marker="x", linestyle="--", color=f"C{k}",
                         label=f"r={rank} one launch per member")
                 ax.plot(b, [r["floor_us"] for r in rows], linestyle=":", color=f"C{k}", label=f"r={rank} floor")
-            ax.set(xscale="log", yscale="log", title=f"{proj}, {workload}", xticks=BATCHES)
-            ax.set_xticklabels(BATCHES)
-            ax.grid(True, which="both", alpha=0.3)
-            if j == 0:
-                ax.set_ylabel("µs per projection's LoRA add-ons")
-            if i == len(projections) - 1:
-                ax.set_xlabel("batch size")
+            latency_axes(ax, f"{proj}, {workload}", BATCHES, "µs per projection's LoRA add-ons" if j == 0 else None,
+                         i == len(projections) - 1)
     axes[0][0].legend(fontsize=7)
     meta = result["meta"]
-    fig.suptitle(f"Sliced LoRA add-on of a fused projection, {meta['gpu']}, h_in={meta['h_in']}, fp16, "
-                 f"pool {meta['pool']} (copy bw {meta['copy_bw_GBps']:.0f} GB/s)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=80)
+    save_figure(fig, f"Sliced LoRA add-on of a fused projection, {meta['gpu']}, h_in={meta['h_in']}, fp16, "
+                     f"pool {meta['pool']} (copy bw {meta['copy_bw_GBps']:.0f} GB/s)", png)
 
 
 def main():
