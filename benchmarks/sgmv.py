@@ -152,6 +152,15 @@ def time_phases(case, flush):
                 fused_twice_us=time_graph(lambda: (case.ours(), case.ours()), flush))
 
 
+def sweep_shapes():
+    """(blocks per item, warps) to force: cluster widths with 4 or 8 warps on sm_90; before it,
+    split-K through L2 over 1-16 blocks (4 warps; past what the GPU holds at once, 1: the
+    sweep records the split launched)."""
+    if sgmv._arch(torch.cuda.current_device()) >= 90:
+        return list(itertools.product((4, 8, 16), (4, 8)))
+    return [(s, 4) for s in (1, 4, 8, 16)]
+
+
 def run(out):
     from benchmarks.read_floor import ReadFloor  # triton: on the device only
 
@@ -191,11 +200,11 @@ def run(out):
                 phases.append(time_phases(Case(rank, "distinct", batch, rng, pool), flush))
                 print(phases[-1], flush=True)
         for r, workload, batch in SWEEP:
-            if r == rank and sgmv._arch(torch.cuda.current_device()) >= 90:  # before sm_90 there is no width
+            if r == rank:
                 case = Case(rank, workload, batch, rng, pool)
-                for split, warps in itertools.product((4, 8, 16), (4, 8)):
-                    sweep.append(dict(rank=rank, workload=workload, batch=batch, split=split, warps=warps,
-                                      us=time_graph(lambda: case.ours(split, warps), flush)))
+                for split, warps in sweep_shapes():
+                    sweep.append(dict(rank=rank, workload=workload, batch=batch, split=case.plan(split=split).cluster,
+                                      warps=warps, us=time_graph(lambda: case.ours(split, warps), flush)))
                     print(sweep[-1], flush=True)
         del pool
     meta = dict(gpu=torch.cuda.get_device_name(), kernel_arch=sgmv._arch(torch.cuda.current_device()),

@@ -38,6 +38,11 @@ _FUSED_SHAPES = {
     # tokens: 35.4 µs in 16-block clusters, 24.3 in 8, 26.9 in 4)
     32: ((8, 4, 1.5), (4, 4, float("inf"))),
 }
+# add_lora before sm_90: split-K over blocks whose partials meet in L2 (kernels/exchange.cuh).
+# The blocks of an item wait for each other, so only grids the GPU holds at once: at most
+# _GX_PER_SM blocks per SM (registers allow 3). (split, most blocks per SM), by grid size:
+_GX_PER_SM = 2.0
+_GX_SHAPES = ((8, _GX_PER_SM), (4, _GX_PER_SM), (1, float("inf")))
 _FORCEABLE_SPLITS, _FORCEABLE_WARPS = (4, 8, 16), (4, 8)
 _RMAX = (16, 32, 64, 128)
 _BIG_TILE_TOKENS = 256  # fused, from here on 32-row items: adapters re-read from L2 half as often
@@ -50,6 +55,7 @@ class _Args(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("x", "y", "v", "A", "B", "indptr", "slot_ids", "ranks", "scales")]
     _fields_ += [(n, ctypes.c_longlong) for n in ("x_stride", "y_stride", "v_stride", "a_slot", "b_slot")]
     _fields_ += [(n, ctypes.c_int) for n in ("nseg", "tokens", "h_in", "h_out", "max_rank", "slots")]
+    _fields_ += [(n, ctypes.c_void_p) for n in ("xpart", "xcount")]
 
 
 class _Slice(ctypes.Structure):
@@ -76,11 +82,11 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
     if rmax is None:
         raise ValueError(f"max_rank {max_rank} > {_RMAX[-1]}")
     mt = 2 if mode == FUSED and tokens >= _BIG_TILE_TOKENS else 1
-    if mode != EXPAND and arch < 90:
-        split = 1  # split-K sums partials across a cluster: sm_90 only
+    if mode == SHRINK and arch < 90:
+        split = 1  # the standalone shrink sums split-K partials across a cluster: sm_90 only
     if mode != FUSED or mt != 1 or arch < 90:
         warps = 4  # 8-warp blocks: decode tiles of the fused cluster kernel only
-    cluster = "cluster_" if split > 1 and mode != EXPAND else ""
+    cluster = "cluster_" if split > 1 and mode != EXPAND and arch >= 90 else ""
     name = f"sgmv_{'sliced_' if sliced else ''}{cluster}kernel<{_CTYPE[dtype]}, {rmax}, {mt}, {split}, {mode}, float, {warps}>"
     return name, split, 16 * mt, warps
 
@@ -104,9 +110,20 @@ def _fused_shapes(rows: int, max_rank: int):
 
 
 def _fused_shape(items: int, rows: int, max_rank: int, device: int) -> tuple[int, int]:
-    """(cluster width, warps per block) of add_lora for a grid of `items` work items of `rows` rows."""
+    """(blocks per item, warps per block) of add_lora for a grid of `items` work items of `rows` rows."""
     sms = _sm_count(device)
+    if _arch(device) < 90:
+        return next(s for s, per_sm in _GX_SHAPES if items * s <= per_sm * sms), 4
     return next((s, w) for s, w, per_sm in _fused_shapes(rows, max_rank) if items * s <= per_sm * sms)
+
+
+@functools.cache
+def _exchange_workspace(device: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K without clusters: a partial (32 rows x rank 128, fp32) per block the GPU may hold
+    at once, and a counter per item (kernels/exchange.cuh)."""
+    blocks = int(_GX_PER_SM * _sm_count(device))
+    return (torch.empty(blocks * 32 * 128, dtype=torch.float32, device=f"cuda:{device}"),
+            torch.zeros(blocks, dtype=torch.int32, device=f"cuda:{device}"))
 
 
 @functools.cache
@@ -130,8 +147,9 @@ def fused_kernel_names(dtype: torch.dtype, max_rank: int, arch: int) -> list[str
     names = set()
     for tokens in (1, _BIG_TILE_TOKENS):
         rows = kernel_name(FUSED, dtype, max_rank, tokens, arch)[2]
+        shapes = [(s, 4) for s, _ in _GX_SHAPES] if arch < 90 else [(s, w) for s, w, _ in _fused_shapes(rows, max_rank)]
         names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, w, sliced)[0]
-                  for s, w, _ in _fused_shapes(rows, max_rank) for sliced in (False, True)}
+                  for s, w in shapes for sliced in (False, True)}
     return sorted(names)
 
 
@@ -142,6 +160,8 @@ def warm_up(dtype: torch.dtype, max_rank: int, device) -> None:
     index = torch.cuda.current_device() if index is None else index
     for name in fused_kernel_names(dtype, max_rank, _arch(index)):
         _function(name, index)
+    if _arch(index) < 90:
+        _exchange_workspace(index)
 
 
 def _check(x, pool, y, v, segs, y_offset=0):
@@ -165,8 +185,8 @@ def _ptr(t, offset=0):
 
 
 class Plan(NamedTuple):
-    """One kernel launch: which instantiation, its grid (`blocks` in clusters of `cluster`, by
-    `slices`), its arguments, on which device."""
+    """One kernel launch: which instantiation, its grid (`blocks`, `cluster` per item: one
+    thread-block cluster on sm_90; by `slices`), its arguments, on which device."""
 
     name: str
     blocks: int
@@ -191,7 +211,11 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
     shape = _fused_shape(items * (1 + len(more)), rows, max_rank, dev.index) if mode == FUSED else (_SPLIT, 4)
     split = shape[0] if split is None else split
     warps = shape[1] if warps is None else warps
+    exchange = mode == FUSED and arch < 90
+    if exchange and items * (1 + len(more)) * split > _GX_PER_SM * _sm_count(dev.index):
+        split = 1  # forced: not past what the GPU holds at once, or peers could wait on unscheduled blocks
     name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps, bool(more))
+    xpart, xcount = _exchange_workspace(dev.index) if exchange and split > 1 else (None, None)
     args = _Args(
         x=_ptr(x), y=_ptr(y, y_offset), v=_ptr(v), A=_ptr(A), B=_ptr(B),
         indptr=_ptr(indptr), slot_ids=_ptr(slot_ids), ranks=_ptr(ranks), scales=_ptr(scales),
@@ -203,7 +227,7 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
         nseg=nseg, tokens=tokens,
         h_in=0 if A is None else A.shape[2],
         h_out=0 if B is None else B.shape[2],
-        max_rank=max_rank, slots=ranks.numel(),
+        max_rank=max_rank, slots=ranks.numel(), xpart=_ptr(xpart), xcount=_ptr(xcount),
     )
     if more:
         args = _Slices(args, (_Slice * (MAX_SLICES - 1))(*(

@@ -14,6 +14,8 @@ struct SgmvArgs {
   long long x_stride, y_stride, v_stride;  // row strides, elements
   long long a_slot, b_slot;                // pool slot strides, elements
   int nseg, tokens, h_in, h_out, max_rank, slots;
+  float* xpart;      // sm_80 split-K: partials workspace (exchange.cuh); null with clusters
+  unsigned* xcount;  // and its per-item counters
 };
 
 // The second and third slices of a sliced add-on (sgmv.cu); the first is SgmvArgs' own. Fields

@@ -5,7 +5,7 @@
 // (split-K), in the expand each writes 1/SPLIT of h_out. The fused kernel runs
 // the SPLIT blocks as one thread-block cluster (sm_90): partial sums of v meet
 // in distributed shared memory, so shrink + expand is one launch and v never
-// leaves the chip.
+// leaves the chip. Before sm_90 they meet in L2 (exchange.cuh).
 //
 // Tensor cores do all the products (mma m16n8k16, fp32 accumulate), fed
 // straight from 16-byte global loads without shared-memory staging (shrink.cuh,
@@ -56,10 +56,11 @@ __device__ __forceinline__ int2 share(int n, int unit, int part, int SPLIT) {
 
 // `item`: the work item this block's cluster (or, with SPLIT 1, this block) computes. SLICED:
 // `a` is one slice's (sliced_body), its pointers held in registers, not read as constants.
-template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W, bool SLICED = false>
+// GX: split-K without clusters, the partials exchanged through global memory (exchange.cuh).
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W, bool SLICED = false, bool GX = false>
 __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
   using TL = Tile<T, RMAX, MT, W>;
-  constexpr bool CLUSTER = SPLIT > 1 && MODE != EXPAND;
+  constexpr bool CLUSTER = SPLIT > 1 && MODE != EXPAND && !GX;
   __shared__ __align__(16) float part[TL::M][RMAX];
   __shared__ __align__(16) unsigned char scratch[TL::SCRATCH];  // red, later vh
   auto vh = reinterpret_cast<T(*)[TL::RP]>(scratch);
@@ -142,6 +143,8 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
     else
       shrink_partial<T, RMAX, MT, W, U, 2, SPLIT, PUSH>(a, pc, ks, part, red, push, crank, &pushed);
     TRACE(3)
+    const int xitem = blockIdx.y * (gridDim.x / SPLIT) + item;  // across slices
+    if (GX) exchange_partial<TL::M, RMAX, SPLIT, W>(a.xpart, a.xcount, part, pc.rows, (pc.rank + 15) & ~15, xitem, crank);
     // The arrive's release waits for every earlier access of the thread, loads included
     // (so the expand's loads, unless EARLY, are issued after it and fly while the cluster
     // gathers), and costs a fence per warp: one warp releases the partial, which
@@ -157,7 +160,7 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
     if (pull) cluster_wait();  // every block's partial is visible
     if (push) mbar_wait(&pushed, 0);  // every block's partial has landed here
     TRACE(4)
-    reduce_partials<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, part, vh, MODE == FUSED, push);
+    reduce_partials<T, RMAX, MT, SPLIT, W, VT, GX>(a, pc, crank, part, vh, MODE == FUSED, push, xitem);
     if (pull) cluster_arrive_relaxed();  // done reading the peers' partials
     TRACE(5)
   }
@@ -178,17 +181,18 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
 // and for 8-warp blocks (forced only: the sweep's).
 #define MINB (W == 8 || MT == 2 ? 2 : 3)
 
-// W warps per block: 4 (the defaults), or 8 (each warp's share of an item halves).
+// W warps per block: 4 (the defaults), or 8 (each warp's share of an item halves). Without
+// clusters, a fused kernel splits K over SPLIT blocks through global memory (GX).
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
 __global__ void __launch_bounds__(32 * W, MINB) sgmv_kernel(const SgmvArgs a) {
-  static_assert(MODE == EXPAND || SPLIT == 1, "split-K needs the cluster kernel");
-  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W>(a, blockIdx.x / SPLIT);
+  static_assert(MODE != SHRINK || SPLIT == 1, "split-K shrink needs the cluster kernel");
+  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W, false, MODE == FUSED && SPLIT != 1>(a, blockIdx.x / SPLIT);
 }
 
 // A sliced add-on: the members of a fused projection (q|k|v, gate|up) in one launch, over the
 // same x and segments, each slice with its own pools, slot ids and output columns. The grid's
 // row blockIdx.y is the slice, so `item` stays a function of blockIdx.x (as registers allow).
-template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W, bool GX>
 __device__ __forceinline__ void sliced_body(const SgmvSlices& s) {
   static_assert(MODE == FUSED, "slices: the fused add-on only");
   const SgmvArgs& b = s.base;
@@ -199,13 +203,12 @@ __device__ __forceinline__ void sliced_body(const SgmvSlices& s) {
     a.A = m.A, a.B = m.B, a.slot_ids = m.slot_ids, a.b_slot = m.b_slot, a.h_out = m.h_out;
     a.y = static_cast<T*>(b.y) + m.y_shift;
   }
-  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W, true>(a, blockIdx.x / SPLIT);
+  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W, true, GX>(a, blockIdx.x / SPLIT);
 }
 
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
 __global__ void __launch_bounds__(32 * W, MINB) sgmv_sliced_kernel(const SgmvSlices s) {
-  static_assert(SPLIT == 1, "split-K needs the cluster kernel");
-  sliced_body<T, RMAX, MT, SPLIT, MODE, VT, W>(s);
+  sliced_body<T, RMAX, MT, SPLIT, MODE, VT, W, SPLIT != 1>(s);
 }
 
 #if __CUDA_ARCH__ >= 900
@@ -216,6 +219,6 @@ __global__ void __launch_bounds__(32 * W, MINB) __cluster_dims__(SPLIT, 1, 1) sg
 
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
 __global__ void __launch_bounds__(32 * W, MINB) __cluster_dims__(SPLIT, 1, 1) sgmv_sliced_cluster_kernel(const SgmvSlices s) {
-  sliced_body<T, RMAX, MT, SPLIT, MODE, VT, W>(s);
+  sliced_body<T, RMAX, MT, SPLIT, MODE, VT, W, false>(s);
 }
 #endif

@@ -8,6 +8,7 @@
 #include "args.cuh"
 #include "cluster.cuh"
 #include "dtype.cuh"
+#include "exchange.cuh"
 #include "segments.cuh"
 
 // The block's partial of rank columns [n0, n0 + NG) (its warps' partials summed in the same
@@ -165,14 +166,17 @@ __device__ __forceinline__ void reduce_rows(const SgmvArgs& a, const Piece& pc, 
   }
 }
 
-// The partials are read from this block's part (one block, or the copies the peers pushed)
-// or from the peers' shared memory.
-template <class T, int RMAX, int MT, int SPLIT, int W, class VT>
+// The partials are read from this block's part (one block, or the copies the peers pushed),
+// from the peers' shared memory, or (GX) from the global workspace.
+template <class T, int RMAX, int MT, int SPLIT, int W, class VT, bool GX>
 __device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& pc, int crank,
                                                 float (*part)[RMAX], T (*vh)[Tile<T, RMAX, MT>::RP],
-                                                bool keep_vh, bool push) {
+                                                bool keep_vh, bool push, int xitem) {
+  constexpr int M = Tile<T, RMAX, MT>::M;
   auto local = [&](int c, int m, int n) { return *reinterpret_cast<const float4*>(&part[c * pc.rows + m][n]); };
   auto remote = [&](int c, int m, int n) { return ld_dsmem_f4(dsmem_addr(&part[m][n], c)); };
-  if (SPLIT == 1 || push) reduce_rows<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, vh, keep_vh, local);
+  auto global = [&](int c, int m, int n) { return peer_partial<M, RMAX, SPLIT>(a.xpart, xitem, c, m, n); };
+  if constexpr (GX) reduce_rows<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, vh, keep_vh, global);
+  else if (SPLIT == 1 || push) reduce_rows<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, vh, keep_vh, local);
   else reduce_rows<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, vh, keep_vh, remote);
 }

@@ -153,20 +153,21 @@ def test_every_cluster_width_and_block_size(split, warps):
 
 
 def test_sm80_code_path_on_this_device(monkeypatch):
-    """The kernels an A100 runs (no clusters: one block per item in the fused kernel, the
-    expand split over 8 plain blocks), built as compute_80 PTX and compiled by the driver
-    for this GPU, equal the reference too."""
+    """The kernels an A100 runs (no clusters: the fused kernel's split-K partials meet in L2,
+    or one block per item on large grids; the expand split over 8 plain blocks), built as
+    compute_80 PTX and compiled by the driver for this GPU, equal the reference too."""
     monkeypatch.setattr(sgmv, "_arch", lambda index: 80)
     rng = np.random.default_rng(80)
     failures = []
     for dtype, rank in ((torch.float16, 16), (torch.bfloat16, 64), (torch.float16, "mixed")):
         pool = make_pool(dtype, 4096, 5120, rank, seed=80)
-        failures += [f for w, b in (("distinct", 16), ("uniform", 64), ("skewed", 300), ("identical", 4096))
+        failures += [f for w, b in (("distinct", 1), ("distinct", 16), ("distinct", 40), ("uniform", 64),
+                                    ("skewed", 300), ("identical", 4096))
                      for f in check_case(dtype, 4096, 5120, rank, w, b, pool, rng)]
     A, B, ranks, scales = pool
     segs = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
     plan = sgmv.launch_plan(sgmv.FUSED, 1, A=A, B=B, indptr=segs, slot_ids=segs[:1], ranks=ranks, scales=scales)
-    assert "cluster" not in plan.name and plan.cluster == 1
+    assert "cluster" not in plan.name and plan.cluster == 8 and plan.args.xcount is not None
     assert not failures, "\n".join(failures[:20])
 
 
@@ -226,8 +227,13 @@ def test_sliced_equals_reference_of_every_slice(h_outs, split, monkeypatch):
     assert not failures, "\n".join(failures[:20])
 
 
-def test_cuda_graph_capture_and_replay():
-    dtype, h, tokens = torch.float16, 4096, 64
+@pytest.mark.parametrize("arch,tokens,batch", [(None, 64, 40), (80, 32, 16)], ids=("own", "sm_80"))
+def test_cuda_graph_capture_and_replay(arch, tokens, batch, monkeypatch):
+    """sm_80: a grid small enough for split-K through L2, whose counters carry over from replay
+    to replay."""
+    if arch:
+        monkeypatch.setattr(sgmv, "_arch", lambda index: arch)
+    dtype, h = torch.float16, 4096
     rng = np.random.default_rng(1)
     A, B, ranks, scales = make_pool(dtype, h, h, "mixed", seed=1)
     x = torch.empty(tokens, h, device="cuda", dtype=dtype)
@@ -240,7 +246,7 @@ def test_cuda_graph_capture_and_replay():
     with torch.cuda.graph(graph):
         sgmv.add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=PAD, v=v)
     for workload in ("distinct", "skewed", "identical"):
-        segs = make_segments(workload, 40, rng)  # <= 55 rows: the last rows have no segment
+        segs = make_segments(workload, batch, rng)  # fewer rows than tokens: the last rows have no segment
         rows = sum(n for _, n in segs)
         segs += [(-1, 0)] * (tokens - len(segs))  # same nseg every replay: pad with empty segments
         starts = np.cumsum([0] + [n for _, n in segs])
