@@ -11,9 +11,12 @@ __device__ __forceinline__ long long xpart_at(int xitem, int c, int m, int n) {
   return ((static_cast<long long>(xitem) * SPLIT + c) * M + m) * RMAX + n;
 }
 
+// Counters only grow: each launch adds kPerLaunch to the counter of each item it computes (each
+// of the SPLIT blocks kPerLaunch / SPLIT, whatever SPLIT that launch uses), so a block's launch
+// is its ticket rounded down to a multiple of kPerLaunch (which divides 2^32).
+constexpr unsigned kPerLaunch = 16;
+
 // Every thread, after the partial is in `part` (rows < rows, columns < rr) and a __syncthreads.
-// Counters only grow: each launch adds SPLIT to the counter of each item it computes, so a
-// block's generation is its ticket rounded down to a multiple of SPLIT (which divides 2^32).
 template <int M, int RMAX, int SPLIT, int W>
 __device__ __forceinline__ void exchange_partial(float* xpart, unsigned* xcount, const float (*part)[RMAX], int rows,
                                                  int rr, int xitem, int crank) {
@@ -27,11 +30,12 @@ __device__ __forceinline__ void exchange_partial(float* xpart, unsigned* xcount,
   __threadfence();  // each thread's stores are visible before the block counts itself in
   __syncthreads();
   if (threadIdx.x == 0) {
-    const unsigned ticket = atomicAdd(xcount + xitem, 1u), base = ticket - ticket % SPLIT;
+    static_assert(kPerLaunch % SPLIT == 0, "every block adds the same share");
+    const unsigned ticket = atomicAdd(xcount + xitem, kPerLaunch / SPLIT), base = ticket - ticket % kPerLaunch;
     unsigned seen;
     do {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(seen) : "l"(xcount + xitem) : "memory");
-    } while (seen - base < SPLIT);
+    } while (seen - base < kPerLaunch);
   }
   __syncthreads();
 }
