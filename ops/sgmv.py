@@ -40,9 +40,11 @@ _FUSED_SHAPES = {
 }
 # add_lora before sm_90: split-K over blocks whose partials meet in L2 (kernels/exchange.cuh).
 # The blocks of an item wait for each other, so only grids the GPU holds at once: at most
-# _GX_PER_SM blocks per SM (registers allow 3). (split, most blocks per SM), by grid size:
-_GX_PER_SM = 2.0
-_GX_SHAPES = ((8, _GX_PER_SM), (4, _GX_PER_SM), (1, float("inf")))
+# _GX_PER_SM blocks per SM (registers allow 3). (split, most blocks per SM), by grid size, as
+# measured with the A100's kernels on the H200 (benchmarks/sgmv.py --arch 80; 16 beat 8 by
+# 0.3-0.8 µs at Distinct B=1 and 16; no A100 measured):
+_GX_PER_SM = 2.5
+_GX_SHAPES = ((16, 2.0), (8, _GX_PER_SM), (4, _GX_PER_SM), (1, float("inf")))
 _FORCEABLE_SPLITS, _FORCEABLE_WARPS = (4, 8, 16), (4, 8)
 _RMAX = (16, 32, 64, 128)
 _BIG_TILE_TOKENS = 256  # fused, from here on 32-row items: adapters re-read from L2 half as often
