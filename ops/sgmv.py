@@ -122,7 +122,8 @@ def _fused_shape(items: int, rows: int, max_rank: int, device: int) -> tuple[int
 @functools.cache
 def _exchange_workspace(device: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-K without clusters: a partial (32 rows x rank 128, fp32) per block the GPU may hold
-    at once, and a counter per item (kernels/exchange.cuh)."""
+    at once, and a counter per item (kernels/exchange.cuh). One per device, so add-ons that use
+    it must not run concurrently on two streams (the engine runs one)."""
     blocks = int(_GX_PER_SM * _sm_count(device))
     return (torch.empty(blocks * 32 * 128, dtype=torch.float32, device=f"cuda:{device}"),
             torch.zeros(blocks, dtype=torch.int32, device=f"cuda:{device}"))

@@ -177,8 +177,8 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
 }
 
 // Blocks per SM the registers must allow: 3 for 4-warp blocks (ops/sgmv.py sizes
-// decode grids to at most ~2.1 blocks per SM, so no second wave), 2 for 32-row tiles
-// and for 8-warp blocks (forced only: the sweep's).
+// decode grids to at most ~2.1 blocks per SM, 2.5 when partials meet in L2, so no second
+// wave), 2 for 32-row tiles and for 8-warp blocks (forced only: the sweep's).
 #define MINB (W == 8 || MT == 2 ? 2 : 3)
 
 // W warps per block: 4 (the defaults), or 8 (each warp's share of an item halves). Without
