@@ -40,11 +40,12 @@ _FUSED_SHAPES = {
 }
 # add_lora before sm_90: split-K over blocks whose partials meet in L2 (kernels/exchange.cuh).
 # The blocks of an item wait for each other, so only grids the GPU holds at once: at most
-# _GX_PER_SM blocks per SM (registers allow 3). (split, most blocks per SM), by grid size, as
-# measured with the A100's kernels on the H200 (benchmarks/sgmv.py --arch 80; 16 beat 8 by
-# 0.3-0.8 µs at Distinct B=1 and 16; no A100 measured):
-_GX_PER_SM = 2.5
-_GX_SHAPES = ((16, 2.0), (8, _GX_PER_SM), (4, _GX_PER_SM), (1, float("inf")))
+# _GX_PER_SM blocks per SM by rows per item (the registers allow 3 and 2: MINB in sgmv.cu).
+# (split, most blocks per SM), by grid size, as measured with the A100's kernels on the H200
+# (benchmarks/sgmv.py --arch 80; 16 beat 8 by 0.3-0.8 µs at Distinct B=1 and 16; no A100
+# measured); past them one block per item:
+_GX_PER_SM = {16: 2.5, 32: 2.0}
+_GX_SHAPES = ((16, 2.0), (8, 2.5), (4, 2.5))
 _FORCEABLE_SPLITS, _FORCEABLE_WARPS = (4, 8, 16), (4, 8)
 _RMAX = (16, 32, 64, 128)
 _BIG_TILE_TOKENS = 256  # fused, from here on 32-row items: adapters re-read from L2 half as often
@@ -115,7 +116,7 @@ def _fused_shape(items: int, rows: int, max_rank: int, device: int) -> tuple[int
     """(blocks per item, warps per block) of add_lora for a grid of `items` work items of `rows` rows."""
     sms = _sm_count(device)
     if _arch(device) < 90:
-        return next(s for s, per_sm in _GX_SHAPES if items * s <= per_sm * sms), 4
+        return next((s for s, per_sm in _GX_SHAPES if items * s <= min(per_sm, _GX_PER_SM[rows]) * sms), 1), 4
     return next((s, w) for s, w, per_sm in _fused_shapes(rows, max_rank) if items * s <= per_sm * sms)
 
 
@@ -124,7 +125,7 @@ def _exchange_workspace(device: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-K without clusters: a partial (32 rows x rank 128, fp32) per block the GPU may hold
     at once, and a counter per item (kernels/exchange.cuh). One per device, so add-ons that use
     it must not run concurrently on two streams (the engine runs one)."""
-    blocks = int(_GX_PER_SM * _sm_count(device))
+    blocks = int(max(_GX_PER_SM.values()) * _sm_count(device))
     return (torch.empty(blocks * 32 * 128, dtype=torch.float32, device=f"cuda:{device}"),
             torch.zeros(blocks, dtype=torch.int32, device=f"cuda:{device}"))
 
@@ -150,7 +151,8 @@ def fused_kernel_names(dtype: torch.dtype, max_rank: int, arch: int) -> list[str
     names = set()
     for tokens in (1, _BIG_TILE_TOKENS):
         rows = kernel_name(FUSED, dtype, max_rank, tokens, arch)[2]
-        shapes = [(s, 4) for s, _ in _GX_SHAPES] if arch < 90 else [(s, w) for s, w, _ in _fused_shapes(rows, max_rank)]
+        shapes = [(s, 4) for s, _ in (*_GX_SHAPES, (1, None))] if arch < 90 else [
+            (s, w) for s, w, _ in _fused_shapes(rows, max_rank)]
         names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, w, sliced)[0]
                   for s, w in shapes for sliced in (False, True)}
     return sorted(names)
@@ -215,7 +217,7 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
     split = shape[0] if split is None else split
     warps = shape[1] if warps is None else warps
     exchange = mode == FUSED and arch < 90
-    if exchange and items * (1 + len(more)) * split > _GX_PER_SM * _sm_count(dev.index):
+    if exchange and items * (1 + len(more)) * split > _GX_PER_SM[rows] * _sm_count(dev.index):
         split = 1  # forced: not past what the GPU holds at once, or peers could wait on unscheduled blocks
     name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps, bool(more))
     xpart, xcount = _exchange_workspace(dev.index) if exchange and split > 1 else (None, None)
