@@ -101,8 +101,9 @@ def _rmax(max_rank: int) -> int | None:
 
 def all_kernel_names(arch: int) -> list[str]:
     """Every instantiation the wrappers can ask for on `arch` (CI compiles them all)."""
+    fused_splits = _FORCEABLE_SPLITS if arch >= 90 else (1, *_FORCEABLE_SPLITS)  # 1: large sm_80 grids
     shapes = [(m, dt, r, t, split, w, sl) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
-              for t in (1, _BIG_TILE_TOKENS) for split in (_FORCEABLE_SPLITS if m == FUSED else (_SPLIT,))
+              for t in (1, _BIG_TILE_TOKENS) for split in (fused_splits if m == FUSED else (_SPLIT,))
               for w in _FORCEABLE_WARPS for sl in ((False, True) if m == FUSED else (False,))]
     return sorted({kernel_name(m, dt, r, t, arch, split, w, sl)[0] for m, dt, r, t, split, w, sl in shapes})
 
