@@ -18,7 +18,7 @@ import torch
 from cuda.bindings import driver
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.sgmv import time_graph  # noqa: E402
+from benchmarks.method import time_graph  # noqa: E402
 from benchmarks.sgmv_variants import kernel_sources  # noqa: E402
 from ops import launch, nvrtc  # noqa: E402
 

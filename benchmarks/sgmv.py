@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph  # noqa: E402
 from ops import sgmv  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
@@ -36,7 +37,7 @@ SWEEP = [(r, "distinct", b) for r in (16, 32, 64) for b in (1, 16, 32, 64)] + [
     (16, "identical", 2048), (64, "uniform", 2048), (16, "uniform", 8192)]
 # where the time goes: each phase alone, and a second add-on straight after (its data L2-hot)
 PHASES = [(r, b) for r in (16, 32, 64) for b in (1, 16, 32, 64)]
-H, POOL, ZIPF, REPS = 4096, 512, 1.5, 100
+H, POOL, ZIPF = 4096, 512, 1.5
 RESULT = pathlib.Path(__file__).parent / "results" / "sgmv_h200.json"
 
 
@@ -95,34 +96,6 @@ class Case:
 
     def floor_bytes(self):
         return 2 * (self.x.numel() + 2 * self.y.numel() + 2 * len(self.slots) * self.rank * H)
-
-
-def time_graph(fn, flush, reps=REPS):
-    """Median µs of one replay of `fn` captured as a graph, L2 flushed before each replay:
-    `flush` is the tensor zeroed (the method), or a callable that flushes otherwise."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        flush() if callable(flush) else flush.zero_()
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return 1e3 * float(np.median([s.elapsed_time(e) for s, e in events]))
-
-
-def copy_bandwidth():
-    """Device-to-device copy, bytes read + written per second (after a warm-up that lifts the clocks)."""
-    src = torch.randn(2**28, device="cuda")  # 1 GiB; torch.neg is an SM kernel, copy_ a DMA copy
-    dst = torch.empty_like(src)
-    for _ in range(50):
-        torch.neg(src, out=dst)
-    us = time_graph(lambda: torch.neg(src, out=dst), torch.empty(0, device="cuda"), reps=50)
-    return 2 * 4 * src.numel() / (us * 1e-6)
 
 
 def rel_err(case, fn):
@@ -267,23 +240,6 @@ def plot(result, png):
     older = f", kernels built for sm_{meta['kernel_arch']}" if meta.get("kernel_arch", 90) < 90 else ""
     save_figure(fig, f"SGMV LoRA add-on, {meta['gpu']}{older}, h={meta['hidden']}, fp16, pool {meta['pool']} "
                      f"(copy bw {meta['copy_bw_GBps']:.0f} GB/s)", png)
-
-
-def latency_axes(ax, title, batches, ylabel, xlabel):
-    """Log-log latency against batch size, as every SGMV plot draws it (labels on the edges only)."""
-    ax.set(xscale="log", yscale="log", title=title, xticks=batches)
-    ax.set_xticklabels(batches)
-    ax.grid(True, which="both", alpha=0.3)
-    if ylabel:
-        ax.set_ylabel(ylabel)
-    if xlabel:
-        ax.set_xlabel("batch size")
-
-
-def save_figure(fig, title, png):
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(png, dpi=80)
 
 
 def main():

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.sgmv import (POOL, REPS, copy_bandwidth, latency_axes, request_adapters,  # noqa: E402
-                             save_figure, time_graph)
+from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph  # noqa: E402
+from benchmarks.sgmv import POOL, request_adapters  # noqa: E402
 from ops import sgmv  # noqa: E402
 from ops.lora import LoraSlice  # noqa: E402
 

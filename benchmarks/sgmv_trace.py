@@ -26,7 +26,8 @@ import torch
 from cuda.bindings import driver
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.sgmv import H, POOL, Case, time_graph  # noqa: E402
+from benchmarks.method import time_graph  # noqa: E402
+from benchmarks.sgmv import H, POOL, Case  # noqa: E402
 from ops import launch, nvrtc  # noqa: E402
 
 CONFIGS = [(16, 1), (16, 16), (16, 32), (16, 64), (32, 16), (32, 32), (64, 16), (64, 32)]  # (rank, batch), Distinct

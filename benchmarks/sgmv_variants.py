@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.sgmv import H, POOL, Case, rel_err, time_graph  # noqa: E402
+from benchmarks.method import time_graph  # noqa: E402
+from benchmarks.sgmv import H, POOL, Case, rel_err  # noqa: E402
 from benchmarks.sgmv_trace import with_policy, with_smem  # noqa: E402
 from ops import launch, nvrtc  # noqa: E402
 

@@ -7,7 +7,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-from ops import nvrtc, sgmv
+from ops import nvrtc, sgmv, sgmv_shapes
 
 ARCHS = (80, 90)
 # NVRTC runs in spawned workers only: loading it into the pytest process broke the
@@ -89,15 +89,13 @@ def test_older_arch_builds_as_ptx():
     assert ".target sm_80" in text and f".entry {symbol}(" in text
 
 
-def test_split_k_through_l2_only_for_grids_the_gpu_holds(monkeypatch):
+def test_split_k_through_l2_only_for_grids_the_gpu_holds():
     """Before sm_90 the blocks of an item wait for each other: a grid that splits K must fit the
     GPU at once (MINB in kernels/sgmv.cu: 3 blocks of 16-row items per SM, 2 of 32-row)."""
-    monkeypatch.setattr(sgmv, "_sm_count", lambda device: 108)
-    monkeypatch.setattr(sgmv, "_arch", lambda device: 80)
     splits = set()
     for rows, minb in ((16, 3), (32, 2)):
         for items in range(1, 400):
-            split, _ = sgmv._fused_shape(items, rows, 64, 0)
+            split, _ = sgmv_shapes.fused_shape(items, rows, 64, 80, 108)
             splits.add(split)
-            assert split == 1 or items * split <= min(minb, sgmv._GX_PER_SM[rows]) * 108, (rows, items, split)
+            assert split == 1 or items * split <= min(minb, sgmv_shapes.GX_PER_SM[rows]) * 108, (rows, items, split)
     assert splits == {1, 4, 8, 16}
