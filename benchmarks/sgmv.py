@@ -3,6 +3,8 @@
 On the device:  python benchmarks/sgmv.py --out benchmarks/results/sgmv_h200.json
 Anywhere:       python benchmarks/sgmv.py --plot-only [--peers ../shared/anchors/sgmv_peers_h200.json]
 The A100's kernels on this GPU: --arch 80 --out benchmarks/results/sgmv_h200_sm80.json
+vLLM's Triton kernels in the same run: --vllm (after `source .vllm-peer/install.sh` on the
+device; benchmarks/make-vllm-bundle.sh builds it here), column vllm_us.
 
 Method (same as the peer figures): adapter pool of 512 slots, h=4096, fp16;
 each variant is captured as a one-add-on CUDA graph and replayed behind an L2
@@ -25,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph  # noqa: E402
+from benchmarks import vllm_peer  # noqa: E402
 from ops import sgmv  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
@@ -116,6 +119,14 @@ def check(case):
     assert err < 2e-2, f"r={case.rank} B={case.batch}: rel err {err:.1e}"
 
 
+def checked_vllm(case, vllm_pool):
+    """vLLM's add-on for the case, checked against fp32 while y is fresh (timing replays grow it)."""
+    add_on = vllm_pool.add_on(case)
+    err = vllm_peer.rel_err(case, add_on)
+    assert err < 2e-2, f"vLLM r={case.rank} B={case.batch}: rel err {err:.1e}"
+    return add_on, err
+
+
 def time_phases(case, flush):
     """µs of the fused add-on, of the shrink and the expand kernels alone, and of two fused
     add-ons back to back (the second finds x, A and B in L2: what latency alone costs)."""
@@ -134,8 +145,10 @@ def sweep_shapes():
     return [(s, 4) for s in (1, 4, 8, 16)]
 
 
-def run(out):
+def run(out, with_vllm):
     from benchmarks.read_floor import ReadFloor  # triton: on the device only
+
+    vllm_ops, vllm_version = vllm_peer.load() if with_vllm else (None, None)
 
     rng = np.random.default_rng(0)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
@@ -146,10 +159,12 @@ def run(out):
     for rank in RANKS:
         pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
                 torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
+        vllm_pool = vllm_peer.VllmPool(vllm_ops, *pool) if with_vllm else None
         for workload in WORKLOADS:
             for batch in BATCHES:
                 case = Case(rank, workload, batch, rng, pool)
                 check(case)
+                vllm_add_on, vllm_err = checked_vllm(case, vllm_pool) if vllm_pool else (None, None)
                 row = dict(rank=rank, workload=workload, batch=batch, num_adapters=len(case.slots),
                            ours_us=time_graph(case.ours, flush),
                            ours_2launch_us=time_graph(case.ours_2launch, flush),
@@ -157,6 +172,8 @@ def run(out):
                            gather_bmm_us=time_graph(case.gather_bmm, flush),
                            floor_us=case.floor_bytes() / bw * 1e6,
                            read_only_us=reads.read_us(case.floor_bytes()))
+                if vllm_add_on:
+                    row.update(vllm_us=time_graph(vllm_add_on, flush), vllm_rel_err=vllm_err)
                 rows.append(row)
                 print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                       flush=True)
@@ -179,9 +196,9 @@ def run(out):
                     sweep.append(dict(rank=rank, workload=workload, batch=batch, split=case.plan(split=split).cluster,
                                       warps=warps, us=time_graph(lambda: case.ours(split, warps), flush)))
                     print(sweep[-1], flush=True)
-        del pool
+        del pool, vllm_pool
     meta = dict(gpu=torch.cuda.get_device_name(), kernel_arch=sgmv._arch(torch.cuda.current_device()),
-                date=datetime.date.today().isoformat(), torch=torch.__version__,
+                date=datetime.date.today().isoformat(), torch=torch.__version__, vllm=vllm_version,
                 copy_bw_GBps=bw / 1e9, null_graph_us=null_us, hidden=H, pool=POOL, dtype="float16",
                 zipf_alpha=ZIPF, reps=REPS,
                 timing="median of CUDA-event timings of a one-add-on CUDA graph replayed behind a 256 MiB "
@@ -190,21 +207,23 @@ def run(out):
 
 
 def attach_peers(result, peers_path):
-    """Copy vLLM's figure for each (rank, workload, batch) into the rows, as vllm_us."""
+    """Copy the issue's vLLM figure for each (rank, workload, batch) into the rows, as vllm_anchor_us."""
     peers = {(p["rank"], p["workload"], p["batch"]): p for p in json.loads(peers_path.read_text())["rows"]}
     for row in result["rows"]:
         peer = peers.get((row["rank"], row["workload"], row["batch"]))
         if peer:
-            row["vllm_us"] = peer["vllm_triton_graph_us"]
+            row["vllm_anchor_us"] = peer["vllm_triton_graph_us"]
 
 
 def table(result):
-    cols = ("ours_us", "vllm_us", "ours_2launch_us", "gather_bmm_us", "loop_us", "read_only_us", "floor_us")
-    print(f"{'rank':>4} {'workload':>9} {'B':>3} " + " ".join(f"{c[:-3]:>12}" for c in cols) + "  ours/vllm")
+    cols = ("ours_us", "vllm_us", "vllm_anchor_us", "ours_2launch_us", "gather_bmm_us", "loop_us", "read_only_us",
+            "floor_us")
+    print(f"{'rank':>4} {'workload':>9} {'B':>3} " + " ".join(f"{c[:-3]:>14}" for c in cols)
+          + "  ours/vllm  ours/anchor")
     for r in result["rows"]:
-        ratio = r["ours_us"] / r["vllm_us"] if r.get("vllm_us") else float("nan")
+        ratios = (r["ours_us"] / r[c] if r.get(c) else float("nan") for c in ("vllm_us", "vllm_anchor_us"))
         print(f"{r['rank']:>4} {r['workload']:>9} {r['batch']:>3} "
-              + " ".join(f"{r.get(c, float('nan')):12.1f}" for c in cols) + f"  {ratio:9.2f}")
+              + " ".join(f"{r.get(c, float('nan')):14.1f}" for c in cols) + "".join(f"  {x:9.2f}" for x in ratios))
     for p in result.get("prefill", []):
         print(f"prefill r={p['rank']} {p['workload']} T={p['tokens']}: ours {p['ours_us']:.1f} µs, "
               f"loop {p['loop_us']:.1f} µs, floor {p['floor_us']:.1f} µs")
@@ -222,7 +241,8 @@ def plot(result, png):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(RANKS), len(WORKLOADS), figsize=(16, 14), sharex=True)
-    series = (("ours_us", "ours (CUDA, NVRTC)"), ("vllm_us", "vLLM Triton"), ("gather_bmm_us", "Gather-BMM"),
+    series = (("ours_us", "ours (CUDA, NVRTC)"), ("vllm_us", f"vLLM {result['meta'].get('vllm')} Triton, this run"),
+              ("vllm_anchor_us", "vLLM Triton, the issue's figures"), ("gather_bmm_us", "Gather-BMM"),
               ("loop_us", "Loop"), ("read_only_us", "read-only kernel, same bytes, same method"),
               ("floor_us", "floor (bytes / copy bw)"))
     for i, rank in enumerate(RANKS):
@@ -247,13 +267,14 @@ def main():
     ap.add_argument("--out", type=pathlib.Path, default=RESULT)
     ap.add_argument("--plot-only", action="store_true", help="read --out, add --peers, write the PNG")
     ap.add_argument("--peers", type=pathlib.Path, help="peer figures (vLLM) to compare against")
+    ap.add_argument("--vllm", action="store_true", help="time vLLM's Triton kernels too ($VLLM_PEER_SITE)")
     ap.add_argument("--arch", type=int, help="run the kernels built for this older arch (80: the A100's, no "
                     "clusters; PTX compiled by the driver) on this GPU")
     args = ap.parse_args()
     if args.arch:
         sgmv._arch = lambda index: args.arch
     if not args.plot_only:
-        run(args.out)
+        run(args.out, args.vllm)
     result = json.loads(args.out.read_text())
     if args.peers:
         attach_peers(result, args.peers)

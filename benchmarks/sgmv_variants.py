@@ -10,7 +10,8 @@ the tree's), and add_lora's forced options (split=N, warps=N; extra_items=1 for 
 before 2026-12-01's fourth session, whose item list also held row block 0; smem=BYTES of
 dynamic shared memory per block, to cap how many blocks share an SM; policy=N the
 cluster scheduling policy, 1 spread, 2 load balancing: give such a variant a -D of its own,
-as variants with the same -D share one compiled function). Each
+as variants with the same -D share one compiled function; arch=80 the kernels and grid
+shapes an older arch gets, built as its PTX). Each
 configuration's variants are timed as benchmarks/sgmv.py times them (graph replay
 behind the 256 MiB L2 flush, median of 100), in ROUNDS interleaved rounds so the
 machine's drift hits all alike; after each variant's first run its output is
@@ -34,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.method import time_graph  # noqa: E402
 from benchmarks.sgmv import H, POOL, Case, rel_err  # noqa: E402
 from benchmarks.sgmv_trace import with_policy, with_smem  # noqa: E402
-from ops import launch, nvrtc  # noqa: E402
+from ops import launch, nvrtc, sgmv  # noqa: E402
 
 CONFIGS = [(16, "distinct", b) for b in (1, 16, 32, 64)] + [(32, "distinct", b) for b in (16, 32, 64)] + [
     (64, "distinct", b) for b in (1, 16, 32)] + [
@@ -74,13 +75,27 @@ def kernel_sources(kernel_dir):
         nvrtc._sources_digest.cache_clear()
 
 
+@contextlib.contextmanager
+def planned_for(arch):
+    """add_lora plans for `arch` meanwhile (0: the device's own)."""
+    saved = sgmv._arch
+    if arch:
+        sgmv._arch = lambda index: arch
+    try:
+        yield
+    finally:
+        sgmv._arch = saved
+
+
 def runner(case, defines, force, kernel_dir):
     force = dict(force)
-    extra_items, smem, policy = force.pop("extra_items", 0), force.pop("smem", 0), force.pop("policy", 0)
-    p = case.plan(**force)
+    extra_items, smem, policy, arch = (force.pop(k, 0) for k in ("extra_items", "smem", "policy", "arch"))
+    with planned_for(arch):
+        p = case.plan(**force)
     blocks = p.blocks + extra_items * p.cluster
     with kernel_sources(kernel_dir):
-        func = with_policy(with_smem(nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines), smem), policy)
+        func = nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines, arch=arch or None)
+        func = with_policy(with_smem(func, smem), policy)
     return lambda: launch.launch(func, blocks, p.threads, p.args, p.device, smem)
 
 
