@@ -1,8 +1,10 @@
 """Fused projections: the LoRA add-ons of q|k|v (or gate|up) in one sliced launch, against one
 launch per member (what the model ran before add_lora_sliced).
 
-On the device:  python benchmarks/sgmv_sliced.py --out benchmarks/results/sgmv_sliced_h200.json
+On the device:  python benchmarks/sgmv_sliced.py [--vllm] --out benchmarks/results/sgmv_sliced_h200.json
 Anywhere:       python benchmarks/sgmv_sliced.py --plot-only
+--vllm: vLLM's Triton kernels over the same members in the same run (one shrink and one expand
+over all slices, as vLLM runs a fused projection; see benchmarks/sgmv.py), column vllm_us.
 
 Method as benchmarks/sgmv.py: pools of 512 slots (one per member, allocated at the rank),
 h_in 4096, fp16; each variant captured as one CUDA graph (the per-member graph holds its
@@ -21,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph  # noqa: E402
+from benchmarks import vllm_peer  # noqa: E402
 from benchmarks.sgmv import POOL, request_adapters  # noqa: E402
 from ops import sgmv  # noqa: E402
 from ops.lora import LoraSlice  # noqa: E402
@@ -43,6 +46,7 @@ class Case:
     def __init__(self, pools, rank, workload, batch, rng):
         ids, counts = np.unique(request_adapters(workload, batch, rng), return_counts=True)
         slots = torch.tensor(rng.choice(POOL, len(ids), replace=False), dtype=torch.int32, device="cuda")
+        self.row_slots = torch.repeat_interleave(slots, torch.tensor(counts, device="cuda"))
         self.indptr = torch.tensor(np.cumsum([0, *counts]), dtype=torch.int32, device="cuda")
         self.ranks = torch.full((POOL,), rank, dtype=torch.int32, device="cuda")
         self.scales = torch.rand(POOL, device="cuda") + 0.5
@@ -80,7 +84,8 @@ class Case:
         assert err < 1e-2, f"sliced differs from per-member launches: rel err {err:.1e}"
 
 
-def run(out):
+def run(out, with_vllm):
+    vllm_ops, vllm_version = vllm_peer.load() if with_vllm else (None, None)
     rng = np.random.default_rng(0)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     bw = copy_bandwidth()
@@ -89,13 +94,18 @@ def run(out):
         for rank in RANKS:
             pools = [(torch.randn(POOL, rank, H_IN, device="cuda", dtype=torch.float16) / H_IN**0.5,
                       torch.randn(POOL, rank, w, device="cuda", dtype=torch.float16) / rank**0.5) for w in widths]
+            vllm_pool = vllm_peer.VllmPool(vllm_ops, pools) if with_vllm else None
             for workload in WORKLOADS:
                 for batch in BATCHES:
                     case = Case(pools, rank, workload, batch, rng)
                     case.check()
+                    vllm_add_on, vllm_err = (vllm_pool.checked_add_on(case.x, case.y, case.row_slots) if vllm_pool
+                                             else (None, None))
                     row = dict(projection=proj, rank=rank, workload=workload, batch=batch,
                                sliced_us=time_graph(case.sliced, flush), per_member_us=time_graph(case.per_member, flush),
                                floor_us=case.floor_bytes / bw * 1e6)
+                    if vllm_add_on:
+                        row.update(vllm_us=time_graph(vllm_add_on, flush), vllm_rel_err=vllm_err)
                     rows.append(row)
                     print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                           flush=True)
@@ -104,8 +114,9 @@ def run(out):
                 sweep.append(dict(projection=proj, rank=rank, workload=workload, batch=batch, default_split=case.split(),
                                   **{f"split{s}_us": time_graph(lambda: case.sliced(s), flush) for s in (4, 8, 16)}))
                 print(sweep[-1], flush=True)
-            del pools
+            del pools, vllm_pool
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
+                vllm=vllm_version,
                 copy_bw_GBps=bw / 1e9, h_in=H_IN, pool=POOL, dtype="float16", reps=REPS,
                 projections=PROJECTIONS,
                 timing="median of CUDA-event timings of one CUDA graph (one sliced launch, or one launch per "
@@ -114,11 +125,13 @@ def run(out):
 
 
 def table(result):
-    print(f"{'projection':>11} {'rank':>4} {'workload':>9} {'B':>4} {'sliced':>8} {'per-member':>11} {'floor':>7}"
-          f" {'sliced/per-member':>18}")
+    print(f"{'projection':>11} {'rank':>4} {'workload':>9} {'B':>4} {'sliced':>8} {'per-member':>11} {'vllm':>7}"
+          f" {'floor':>7} {'sliced/per-member':>18} {'sliced/vllm':>12}")
     for r in result["rows"]:
+        vllm = r.get("vllm_us", float("nan"))
         print(f"{r['projection']:>11} {r['rank']:>4} {r['workload']:>9} {r['batch']:>4} {r['sliced_us']:8.1f} "
-              f"{r['per_member_us']:11.1f} {r['floor_us']:7.1f} {r['sliced_us'] / r['per_member_us']:18.2f}")
+              f"{r['per_member_us']:11.1f} {vllm:7.1f} {r['floor_us']:7.1f} {r['sliced_us'] / r['per_member_us']:18.2f}"
+              f" {r['sliced_us'] / vllm:12.2f}")
     for r in result.get("sweep", []):
         widths = ", ".join(f"{s}: {r[f'split{s}_us']:.1f}" for s in (4, 8, 16))
         print(f"sweep {r['projection']} r={r['rank']} {r['workload']} B={r['batch']}: clusters of {widths} µs "
@@ -142,6 +155,9 @@ def plot(result, png):
                 ax.plot(b, [r["sliced_us"] for r in rows], marker="o", color=f"C{k}", label=f"r={rank} sliced")
                 ax.plot(b, [r["per_member_us"] for r in rows], marker="x", linestyle="--", color=f"C{k}",
                         label=f"r={rank} one launch per member")
+                if all("vllm_us" in r for r in rows):
+                    ax.plot(b, [r["vllm_us"] for r in rows], marker="s", linestyle="-.", color=f"C{k}",
+                            label=f"r={rank} vLLM {result['meta']['vllm']} Triton, this run")
                 ax.plot(b, [r["floor_us"] for r in rows], linestyle=":", color=f"C{k}", label=f"r={rank} floor")
             latency_axes(ax, f"{proj}, {workload}", BATCHES, "µs per projection's LoRA add-ons" if j == 0 else None,
                          i == len(projections) - 1)
@@ -155,9 +171,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, default=RESULT)
     ap.add_argument("--plot-only", action="store_true", help="read --out and write the PNG beside it")
+    ap.add_argument("--vllm", action="store_true", help="time vLLM's Triton kernels too ($VLLM_PEER_SITE)")
     args = ap.parse_args()
     if not args.plot_only:
-        run(args.out)
+        run(args.out, args.vllm)
     result = json.loads(args.out.read_text())
     table(result)
     if args.plot_only:

@@ -38,32 +38,43 @@ def load(site=None):
 
 
 class VllmPool:
-    """An adapter pool in vLLM's layout: A as ours [slots, rank, h], B transposed [slots, h, rank]."""
+    """Adapter pools in vLLM's layout, one per member of a projection (q|k|v: three): A as ours
+    [slots, rank, h_in], B transposed to [slots, h_out, rank]."""
 
-    def __init__(self, triton_ops, A, B):
-        self.ops, self.A, self.B = triton_ops, A, B.transpose(1, 2).contiguous()
+    def __init__(self, triton_ops, pools):
+        self.ops = triton_ops
+        self.A = [A for A, _ in pools]
+        self.B = [B.transpose(1, 2).contiguous() for _, B in pools]
 
-    def add_on(self, case, specialize=True):
-        """vLLM's add-on for `case` (rows → pool slots as case.row_slots), one scale for all rows
-        (vLLM's form). specialize: the grid spans the active adapters only, vLLM's faster
-        setting; else all slots + 1."""
-        meta = self.ops.LoRAKernelMeta.make(max_loras=self.A.shape[0], max_num_tokens=case.batch, device="cuda")
-        meta.prepare_tensors(case.row_slots.to(torch.int32))
-        args = meta.meta_args(case.batch, specialize)
-        v = torch.empty(1, case.batch, self.A.shape[1], device="cuda")  # vLLM's buffer: fp32
+    def add_on(self, x, y, row_slots, specialize=True):
+        """vLLM's add-on y[:, member's columns] += x·Aᵀ·B of every member (one shrink and one
+        expand over all members), rows → pool slots as row_slots, one scale for all rows (vLLM's
+        form). specialize: the grid spans the active adapters only, vLLM's faster setting; else
+        all slots + 1 (its default)."""
+        batch, rank = x.shape[0], self.A[0].shape[1]  # x: [batch, h_in], y: [batch, Σ h_out]
+        meta = self.ops.LoRAKernelMeta.make(max_loras=self.A[0].shape[0], max_num_tokens=batch, device="cuda")
+        meta.prepare_tensors(row_slots.to(torch.int32))
+        args = meta.meta_args(batch, specialize)
+        v = torch.empty(len(self.A), batch, rank, device="cuda")  # vLLM's buffer: fp32
 
         def run():
-            self.ops.lora_shrink(case.x, [self.A], v, *args, 1.0)
-            self.ops.lora_expand(v, [self.B], case.y, *args, offset_start=0, add_inputs=True)
+            self.ops.lora_shrink(x, self.A, v, *args, 1.0)
+            self.ops.lora_expand(v, self.B, y, *args, offset_start=0, add_inputs=True)
         return run
 
-
-def rel_err(case, run):
-    """Relative error of vLLM's add-on against fp32 x·A·B per row (scale 1); y is left as it was."""
-    y0 = case.y.clone()
-    run()
-    got = case.y.float() - y0.float()
-    case.y.copy_(y0)
-    A, B = case.A[case.row_slots].float(), case.B[case.row_slots].float()  # [rows, rank, h] each
-    ref = torch.bmm(torch.bmm(case.x.float()[:, None, :], A.transpose(1, 2)), B)[:, 0]
-    return float((got - ref).norm() / ref.norm())
+    def checked_add_on(self, x, y, row_slots):
+        """add_on, first checked against fp32 x·Aᵀ·B per row and member (scale 1) while y is
+        fresh (timing replays grow it); y is left as it was. Returns (add_on, relative error)."""
+        run = self.add_on(x, y, row_slots)
+        y0 = y.clone()
+        run()
+        got = y.float() - y0.float()
+        y.copy_(y0)
+        ref = []
+        for A, B in zip(self.A, self.B):
+            A, B = A[row_slots].float(), B[row_slots].float()  # [rows, rank, h_in], [rows, h_out, rank]
+            ref.append(torch.bmm(torch.bmm(x.float()[:, None, :], A.transpose(1, 2)), B.transpose(1, 2))[:, 0])
+        ref = torch.cat(ref, dim=1)
+        err = float((got - ref).norm() / ref.norm())
+        assert err < 2e-2, f"vLLM rank {A.shape[1]}, {x.shape[0]} rows: rel err {err:.1e}"
+        return run, err
