@@ -10,7 +10,6 @@
 set -euo pipefail
 VLLM_VERSION="${VLLM_VERSION:-0.33.0}"
 OUT_DIR=.vllm-peer
-grep -qx "/$OUT_DIR/" .gitignore || echo "/$OUT_DIR/" >> .gitignore
 rm -rf "$OUT_DIR" && mkdir -p "$OUT_DIR" && TMP="$(mktemp -d)"
 PLAT=(--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64
       --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64)

@@ -76,5 +76,5 @@ class VllmPool:
             ref.append(torch.bmm(torch.bmm(x.float()[:, None, :], A.transpose(1, 2)), B.transpose(1, 2))[:, 0])
         ref = torch.cat(ref, dim=1)
         err = float((got - ref).norm() / ref.norm())
-        assert err < 2e-2, f"vLLM rank {A.shape[1]}, {x.shape[0]} rows: rel err {err:.1e}"
+        assert err < 2e-2, f"vLLM rank {self.A[0].shape[1]}, {x.shape[0]} rows: rel err {err:.1e}"
         return run, err
