@@ -5,8 +5,10 @@ Anywhere:       python benchmarks/sgmv.py --plot-only [--peers ../shared/anchors
 The A100's kernels on this GPU: --arch 80 --out benchmarks/results/sgmv_h200_sm80.json
 vLLM's Triton kernels in the same run: --vllm (after `source .vllm-peer/install.sh` on the
 device; benchmarks/make-vllm-bundle.sh builds it here), column vllm_us.
+Other shapes and ranks (the grid's rows only): --h-in 11008 --ranks 8,16,32,64,128 (a down
+projection), --ranks 128, each with its own --out.
 
-Method (same as the peer figures): adapter pool of 512 slots, h=4096, fp16;
+Method (same as the peer figures): adapter pool of 512 slots, h=4096 (by default), fp16;
 each variant is captured as a one-add-on CUDA graph and replayed behind an L2
 flush (a 256 MiB write); the median of CUDA-event timings is reported. The
 floor is the bytes that must move (x, each distinct adapter's A and B once, y
@@ -44,6 +46,13 @@ H, POOL, ZIPF = 4096, 512, 1.5
 RESULT = pathlib.Path(__file__).parent / "results" / "sgmv_h200.json"
 
 
+def random_pool(rank, h_in=H, h_out=H):
+    """A and B of POOL adapter slots ([slots, rank, h_in], [slots, rank, h_out]), scaled so v and
+    the add-on are of the order of x."""
+    return (torch.randn(POOL, rank, h_in, device="cuda", dtype=torch.float16) / math.sqrt(h_in),
+            torch.randn(POOL, rank, h_out, device="cuda", dtype=torch.float16) / math.sqrt(rank))
+
+
 def request_adapters(workload, batch, rng):
     """Adapter index of every request (one row each) under Punica's four popularity laws."""
     if workload == "distinct":
@@ -69,8 +78,8 @@ class Case:
         self.indptr = torch.tensor(self.bounds, dtype=torch.int32, device="cuda")
         self.slot_ids = torch.tensor(self.slots, dtype=torch.int32, device="cuda")
         self.row_slots = torch.repeat_interleave(self.slot_ids.long(), torch.tensor(counts, device="cuda"))
-        self.x = torch.randn(batch, H, device="cuda", dtype=torch.float16)
-        self.y = torch.randn(batch, H, device="cuda", dtype=torch.float16)
+        self.x = torch.randn(batch, self.A.shape[2], device="cuda", dtype=torch.float16)
+        self.y = torch.randn(batch, self.B.shape[2], device="cuda", dtype=torch.float16)
         self.v = torch.empty(batch, rank, device="cuda")
 
     def segs(self):
@@ -98,7 +107,8 @@ class Case:
         self.y += torch.bmm(v, self.B[self.row_slots])[:, 0] * self.scales[self.row_slots, None]
 
     def floor_bytes(self):
-        return 2 * (self.x.numel() + 2 * self.y.numel() + 2 * len(self.slots) * self.rank * H)
+        h_in, h_out = self.A.shape[2], self.B.shape[2]
+        return 2 * (self.x.numel() + 2 * self.y.numel() + len(self.slots) * self.rank * (h_in + h_out))
 
 
 def rel_err(case, fn):
@@ -137,7 +147,8 @@ def sweep_shapes():
     return [(s, 4) for s in (1, 4, 8, 16)]
 
 
-def run(out, with_vllm):
+def run(out, with_vllm, ranks=RANKS, h_in=H, h_out=H):
+    """The grid over `ranks` at h_in x h_out; prefill, phases and the sweep at the default shape only."""
     from benchmarks.read_floor import ReadFloor  # triton: on the device only
 
     vllm_ops, vllm_version = vllm_peer.load() if with_vllm else (None, None)
@@ -146,11 +157,12 @@ def run(out, with_vllm):
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     bw = copy_bandwidth()
     null_us = time_graph(lambda: torch.cuda._sleep(0), flush)
-    reads = ReadFloor(2 * (2 * max(BATCHES) * max(RANKS) * H + 3 * max(BATCHES) * H), time_graph, flush)
+    reads = ReadFloor(2 * (max(BATCHES) * (max(ranks) + 1) * (h_in + h_out) + max(BATCHES) * h_out), time_graph,
+                      flush)
+    default_shape = (h_in, h_out) == (H, H)
     rows, prefill, sweep, phases = [], [], [], []
-    for rank in RANKS:
-        pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
-                torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
+    for rank in ranks:
+        pool = random_pool(rank, h_in, h_out)
         vllm_pool = vllm_peer.VllmPool(vllm_ops, [pool]) if with_vllm else None
         for workload in WORKLOADS:
             for batch in BATCHES:
@@ -171,7 +183,7 @@ def run(out, with_vllm):
                 print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                       flush=True)
         for r, workload, tokens in PREFILL:
-            if r == rank:
+            if r == rank and default_shape:
                 case = Case(rank, workload, tokens, rng, pool)
                 check(case)
                 prefill.append(dict(rank=rank, workload=workload, tokens=tokens, num_adapters=len(case.slots),
@@ -179,11 +191,11 @@ def run(out, with_vllm):
                                     floor_us=case.floor_bytes() / bw * 1e6))
                 print(prefill[-1], flush=True)
         for r, batch in PHASES:
-            if r == rank:
+            if r == rank and default_shape:
                 phases.append(time_phases(Case(rank, "distinct", batch, rng, pool), flush))
                 print(phases[-1], flush=True)
         for r, workload, batch in SWEEP:
-            if r == rank:
+            if r == rank and default_shape:
                 case = Case(rank, workload, batch, rng, pool)
                 for split, warps in sweep_shapes():
                     sweep.append(dict(rank=rank, workload=workload, batch=batch, split=case.plan(split=split).cluster,
@@ -192,7 +204,7 @@ def run(out, with_vllm):
         del pool, vllm_pool
     meta = dict(gpu=torch.cuda.get_device_name(), kernel_arch=sgmv._arch(torch.cuda.current_device()),
                 date=datetime.date.today().isoformat(), torch=torch.__version__, vllm=vllm_version,
-                copy_bw_GBps=bw / 1e9, null_graph_us=null_us, hidden=H, pool=POOL, dtype="float16",
+                copy_bw_GBps=bw / 1e9, null_graph_us=null_us, h_in=h_in, h_out=h_out, pool=POOL, dtype="float16",
                 zipf_alpha=ZIPF, reps=REPS,
                 timing="median of CUDA-event timings of a one-add-on CUDA graph replayed behind a 256 MiB "
                        "L2 flush; null_graph_us: the same for a graph holding one empty kernel")
@@ -233,12 +245,13 @@ def plot(result, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(RANKS), len(WORKLOADS), figsize=(16, 14), sharex=True)
+    ranks = sorted({r["rank"] for r in result["rows"]})
+    fig, axes = plt.subplots(len(ranks), len(WORKLOADS), figsize=(16, 3.5 * len(ranks)), sharex=True, squeeze=False)
     series = (("ours_us", "ours (CUDA, NVRTC)"), ("vllm_us", f"vLLM {result['meta'].get('vllm')} Triton, this run"),
               ("vllm_anchor_us", "vLLM Triton, the issue's figures"), ("gather_bmm_us", "Gather-BMM"),
               ("loop_us", "Loop"), ("read_only_us", "read-only kernel, same bytes, same method"),
               ("floor_us", "floor (bytes / copy bw)"))
-    for i, rank in enumerate(RANKS):
+    for i, rank in enumerate(ranks):
         for j, workload in enumerate(WORKLOADS):
             ax, rows = axes[i][j], [r for r in result["rows"] if r["rank"] == rank and r["workload"] == workload]
             for key, label in series:
@@ -247,11 +260,12 @@ def plot(result, png):
                             linestyle="--" if key in ("floor_us", "read_only_us") else "-")
             ax.axhline(result["meta"]["null_graph_us"], color="grey", linestyle=":", label="graph of one empty kernel")
             latency_axes(ax, f"r={rank} {workload}", BATCHES, "µs per LoRA add-on" if j == 0 else None,
-                         i == len(RANKS) - 1)
+                         i == len(ranks) - 1)
     axes[0][0].legend(fontsize=8)
     meta = result["meta"]
     older = f", kernels built for sm_{meta['kernel_arch']}" if meta.get("kernel_arch", 90) < 90 else ""
-    save_figure(fig, f"SGMV LoRA add-on, {meta['gpu']}{older}, h={meta['hidden']}, fp16, pool {meta['pool']} "
+    shape = f"h={meta['hidden']}" if "hidden" in meta else f"h_in={meta['h_in']}, h_out={meta['h_out']}"
+    save_figure(fig, f"SGMV LoRA add-on, {meta['gpu']}{older}, {shape}, fp16, pool {meta['pool']} "
                      f"(copy bw {meta['copy_bw_GBps']:.0f} GB/s)", png)
 
 
@@ -263,11 +277,14 @@ def main():
     ap.add_argument("--vllm", action="store_true", help="time vLLM's Triton kernels too ($VLLM_PEER_SITE)")
     ap.add_argument("--arch", type=int, help="run the kernels built for this older arch (80: the A100's, no "
                     "clusters; PTX compiled by the driver) on this GPU")
+    ap.add_argument("--ranks", type=lambda t: tuple(map(int, t.split(","))), default=RANKS)
+    ap.add_argument("--h-in", type=int, default=H)
+    ap.add_argument("--h-out", type=int, default=H)
     args = ap.parse_args()
     if args.arch:
         sgmv._arch = lambda index: args.arch
     if not args.plot_only:
-        run(args.out, args.vllm)
+        run(args.out, args.vllm, args.ranks, args.h_in, args.h_out)
     result = json.loads(args.out.read_text())
     if args.peers:
         attach_peers(result, args.peers)

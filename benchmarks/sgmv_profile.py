@@ -6,12 +6,11 @@
 Each configuration runs twice (the first compiles and warms up); ncu flushes the caches
 before each profiled launch, as benchmarks/sgmv.py does before each timed one.
 """
-import math
 
 import numpy as np
 import torch
 
-from benchmarks.sgmv import H, POOL, Case
+from benchmarks.sgmv import Case, random_pool
 
 CONFIGS = [(16, 16), (64, 16)]  # (rank, batch), Distinct workload
 
@@ -19,8 +18,7 @@ CONFIGS = [(16, 16), (64, 16)]  # (rank, batch), Distinct workload
 def main():
     rng = np.random.default_rng(0)
     for rank, batch in CONFIGS:
-        pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
-                torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
+        pool = random_pool(rank)
         case = Case(rank, "distinct", batch, rng, pool)
         for _ in range(2):
             case.ours()

@@ -27,7 +27,7 @@ from cuda.bindings import driver
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.method import time_graph  # noqa: E402
-from benchmarks.sgmv import H, POOL, Case  # noqa: E402
+from benchmarks.sgmv import Case, random_pool  # noqa: E402
 from ops import launch, nvrtc  # noqa: E402
 
 CONFIGS = [(16, 1), (16, 16), (16, 32), (16, 64), (32, 16), (32, 32), (64, 16), (64, 32)]  # (rank, batch), Distinct
@@ -119,8 +119,7 @@ def main():
     mhz = torch.cuda.clock_rate()  # current SM clock, MHz (cycles per µs)
     rows = []
     for rank, batch in args.config or CONFIGS:
-        pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
-                torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
+        pool = random_pool(rank)
         case = Case(rank, "distinct", batch, rng, pool)
         p = case.plan()
         plain = with_smem(nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines), args.smem)

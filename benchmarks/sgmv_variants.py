@@ -1,12 +1,12 @@
 """A/B comparison of add_lora kernel builds on the device, timed interleaved.
 
     python benchmarks/sgmv_variants.py --variant base= --variant new=SOME_MACRO \
-        [--variant c8=:split=8] [--config 64,identical,512 ...] [--read-flush] [--no-check] \
+        [--variant c8=:split=8] [--config 64,identical,512[,H_IN] ...] [--read-flush] [--no-check] \
         [--out benchmarks/results/trace_runs/NAME.json]
 
 A variant is NAME=DEFINE[,DEFINE...][:option=value...][@KERNEL_DIR]: the kernel built with
 those -D macros (from KERNEL_DIR's sources, e.g. an older commit's ops/kernels, instead of
-the tree's), and add_lora's forced options (split=N, warps=N; extra_items=1 for a build
+the tree's), and add_lora's forced options (split=N, warps=N, groups=N; extra_items=1 for a build
 before 2026-12-01's fourth session, whose item list also held row block 0; smem=BYTES of
 dynamic shared memory per block, to cap how many blocks share an SM; policy=N the
 cluster scheduling policy, 1 spread, 2 load balancing: give such a variant a -D of its own,
@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import functools
 import json
-import math
 import pathlib
 import sys
 import zlib
@@ -33,19 +32,19 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.method import time_graph  # noqa: E402
-from benchmarks.sgmv import H, POOL, Case, rel_err  # noqa: E402
+from benchmarks.sgmv import H, Case, random_pool, rel_err  # noqa: E402
 from benchmarks.sgmv_trace import with_policy, with_smem  # noqa: E402
 from ops import launch, nvrtc, sgmv  # noqa: E402
 
-CONFIGS = [(16, "distinct", b) for b in (1, 16, 32, 64)] + [(32, "distinct", b) for b in (16, 32, 64)] + [
-    (64, "distinct", b) for b in (1, 16, 32)] + [
-    (8, "distinct", 64), (16, "identical", 64), (64, "identical", 64), (64, "uniform", 64), (16, "uniform", 2048)]
+CONFIGS = [(r, w, b, H) for r, w, b in [(16, "distinct", b) for b in (1, 16, 32, 64)] + [
+    (32, "distinct", b) for b in (16, 32, 64)] + [(64, "distinct", b) for b in (1, 16, 32)] + [
+    (8, "distinct", 64), (16, "identical", 64), (64, "identical", 64), (64, "uniform", 64), (16, "uniform", 2048)]]
 ROUNDS = 3
 
 
 def parse_config(text):
-    rank, workload, batch = text.split(",")
-    return int(rank), workload, int(batch)
+    rank, workload, batch, *h_in = text.split(",")
+    return int(rank), workload, int(batch), int(h_in[0]) if h_in else H
 
 
 def parse_variant(text):
@@ -117,9 +116,8 @@ def main():
     if args.no_flush:  # the GPU still waits in a spin kernel, so the host's launch is not timed
         flush = functools.partial(torch.cuda._sleep, 100_000)
     rows = []
-    for rank, workload, batch in args.config or CONFIGS:
-        pool = (torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(H),
-                torch.randn(POOL, rank, H, device="cuda", dtype=torch.float16) / math.sqrt(rank))
+    for rank, workload, batch, h_in in args.config or CONFIGS:
+        pool = random_pool(rank, h_in)
         case = Case(rank, workload, batch, rng, pool)
         fns = {name: runner(case, d, f, k) for name, d, f, k in args.variant}
         errs = {name: rel_err(case, fn) for name, fn in fns.items()}
@@ -128,14 +126,15 @@ def main():
         for _ in range(ROUNDS):
             for name, fn in fns.items():
                 times[name].append(time_graph(fn, flush))
-        rows.append(dict(rank=rank, workload=workload, batch=batch, rel_err=errs,
+        rows.append(dict(rank=rank, workload=workload, batch=batch, h_in=h_in, rel_err=errs,
                          us={n: float(np.median(t)) for n, t in times.items()}, rounds=times))
         del pool, case
     names = [n for n, *_ in args.variant]
     print("variants:", {n: (d, f, k) for n, d, f, k in args.variant})
-    print(f"{'r':>3} {'workload':>9} {'B':>5} " + " ".join(f"{n:>10}" for n in names))
+    print(f"{'r':>3} {'workload':>9} {'B':>5} {'h_in':>6} " + " ".join(f"{n:>10}" for n in names))
     for r in rows:
-        print(f"{r['rank']:>3} {r['workload']:>9} {r['batch']:>5} " + " ".join(f"{r['us'][n]:10.2f}" for n in names))
+        print(f"{r['rank']:>3} {r['workload']:>9} {r['batch']:>5} {r['h_in']:>6} "
+              + " ".join(f"{r['us'][n]:10.2f}" for n in names))
     if args.out:
         args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), variants=args.variant, rows=rows),
                                        indent=1, default=str))

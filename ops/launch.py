@@ -24,3 +24,15 @@ def launch(func: driver.CUfunction, grid: int, block: int, args: ctypes.Structur
     if err != _SUCCESS:
         raise RuntimeError(f"cuLaunchKernel: {driver.cuGetErrorString(err)[1].decode()}")
 
+
+def max_active_clusters(func: driver.CUfunction, cluster: int, block: int, smem: int = 0) -> int:
+    """How many thread-block clusters of `func` (its compiled cluster width `cluster`, blocks of
+    `block` threads) the current device holds at once."""
+    cfg = driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cluster, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
+    cfg.sharedMemBytes, cfg.numAttrs = smem, 0
+    err, n = driver.cuOccupancyMaxActiveClusters(func, cfg)
+    if err != _SUCCESS:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters: {driver.cuGetErrorString(err)[1].decode()}")
+    return n

@@ -51,8 +51,9 @@ class _Slices(ctypes.Structure):
 @functools.cache
 def _exchange_workspace(device: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-K without clusters: a partial (32 rows x rank 128, fp32) per block the GPU may hold
-    at once, and a counter per item (kernels/exchange.cuh). One per device, so add-ons that use
-    it must not run concurrently on two streams (the engine runs one)."""
+    at once, and a counter per item (kernels/exchange.cuh); rank groups use the counters and a
+    little of the space. One per device, so add-ons that use it must not run concurrently on
+    two streams (the engine runs one)."""
     blocks = int(max(GX_PER_SM.values()) * _sm_count(device))
     return (torch.empty(blocks * 32 * 128, dtype=torch.float32, device=f"cuda:{device}"),
             torch.zeros(blocks, dtype=torch.int32, device=f"cuda:{device}"))
@@ -72,6 +73,12 @@ def _arch(device_index: int) -> int:
 def _function(name: str, device_index: int):
     """Kernel `name` built for the arch the wrappers pick kernels for (_arch)."""
     return nvrtc.load_function("sgmv.cu", name, device_index, arch=_arch(device_index))
+
+
+@functools.cache
+def _clusters_at_once(name: str, device_index: int, cluster: int, threads: int) -> int:
+    """How many clusters of kernel `name` the device holds at once."""
+    return _launch.max_active_clusters(_function(name, device_index), cluster, threads)
 
 
 def warm_up(dtype: torch.dtype, max_rank: int, device) -> None:
@@ -119,8 +126,8 @@ class Plan(NamedTuple):
 
 
 def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_ids, ranks, scales=None,
-                y_offset=0, split=None, warps=None, more=()) -> Plan | None:
-    """The launch of one call, or None when there is nothing to do; split / warps None:
+                y_offset=0, split=None, warps=None, groups=None, more=()) -> Plan | None:
+    """The launch of one call, or None when there is nothing to do; split / warps / groups None:
     the measured defaults (forced by the benchmark and the tests); more: the slices after
     the first of a sliced add-on (FUSED; the first is A, B, slot_ids, y_offset)."""
     pool = A if A is not None else B
@@ -130,14 +137,21 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
     rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch)[2]
     items = nseg + (tokens + rows - 1) // rows - 1  # per slice: kernels/segments.cuh
     total = items * (1 + len(more))
-    shape = fused_shape(total, rows, max_rank, arch, _sm_count(dev.index)) if mode == FUSED else (SPLIT, 4)
+    shape = fused_shape(total, rows, max_rank, arch, _sm_count(dev.index), tokens, bool(more)) if mode == FUSED \
+        else (SPLIT, 4, 1)
+    if groups is None:  # a forced split or warps: in one cluster per item
+        groups = shape[2] if split is None and warps is None else 1
     split = shape[0] if split is None else split
     warps = shape[1] if warps is None else warps
     exchange = mode == FUSED and arch < 90
     if exchange and total * split > GX_PER_SM[rows] * _sm_count(dev.index):
         split = 1  # forced: not past what the GPU holds at once, or peers could wait on unscheduled blocks
-    name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps, bool(more))
-    xpart, xcount = _exchange_workspace(dev.index) if exchange and split > 1 else (None, None)
+    name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps, bool(more), groups)
+    if groups > 1 and items * groups > _clusters_at_once(name, dev.index, split, 32 * warps):
+        # the clusters of an item wait for each other: never past what the GPU holds at once
+        groups = 1
+        name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps)
+    xpart, xcount = _exchange_workspace(dev.index) if (exchange and split > 1) or groups > 1 else (None, None)
     args = _Args(
         x=_ptr(x), y=_ptr(y, y_offset), v=_ptr(v), A=_ptr(A), B=_ptr(B),
         indptr=_ptr(indptr), slot_ids=_ptr(slot_ids), ranks=_ptr(ranks), scales=_ptr(scales),
@@ -155,7 +169,7 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
         args = _Slices(args, (_Slice * (MAX_SLICES - 1))(*(
             _Slice(A=_ptr(s.A), B=_ptr(s.B), slot_ids=_ptr(s.slot_ids), y_shift=s.y_offset - y_offset,
                    b_slot=s.B.stride(0), h_out=s.B.shape[2]) for s in more)))
-    return Plan(name, items * split, 32 * warps, args, dev, split, 1 + len(more))
+    return Plan(name, items * groups * split, 32 * warps, args, dev, split, 1 + len(more))
 
 
 def _run(mode, tokens, **kwargs):
@@ -195,7 +209,7 @@ def sgmv_expand(y, v, B, indptr, slot_ids, ranks, scales, y_offset=0):
     return y
 
 
-def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *, split=None, warps=None):
+def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *, split=None, warps=None, groups=None):
     """y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T @ B[slot_i, :r_i].
 
     The whole LoRA add-on in one launch: a cluster of 16, 8 or 4 blocks (by grid
@@ -206,8 +220,11 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
     y.stride(0)); x: [tokens, h_in]; A: [slots, max_rank, h_in];
     B: [slots, max_rank, h_out]. v never leaves the chip, so no scratch is
     needed; pass v (float32 [tokens, >= max_rank]) to also receive x @ A.T as
-    sgmv_shrink writes it. split (cluster width) and warps (per block) override
-    the measured defaults (for the benchmark's sweep and the tests). Returns y.
+    sgmv_shrink writes it. Few items at rank tiles 64 and 128: 2 or 4 clusters per
+    item, each summing a share of v's ranks, trading them through global memory
+    (rank groups). split (cluster width), warps (per block) and groups (clusters
+    per item) override the measured defaults (for the benchmark's sweep and the
+    tests). Returns y.
     """
     if not x.is_cuda:
         if v is not None:
@@ -216,7 +233,7 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
     _check(x, A, y, v, (indptr, slot_ids, ranks, scales), y_offset)
     _check(x, B, y, None, (), y_offset)
     _run(FUSED, x.shape[0], x=x, y=y, v=v, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks,
-         scales=scales, y_offset=y_offset, split=split, warps=warps)
+         scales=scales, y_offset=y_offset, split=split, warps=warps, groups=groups)
     return y
 
 

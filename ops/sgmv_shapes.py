@@ -20,6 +20,15 @@ _FUSED_SHAPES = {
     # tokens: 35.4 µs in 16-block clusters, 24.3 in 8, 26.9 in 4)
     32: ((8, 4, 1.5), (4, 4, float("inf"))),
 }
+# Rank groups (sm_90, kernels/sgmv.cu): G clusters per item, each summing 1/G of v's ranks, for
+# decode grids of few items at rank tiles 64 and 128, where one cluster per item leaves most SMs
+# idle: (groups, cluster width, most items, fewest rows per item on average). Measured on the
+# H200 (benchmarks/results/trace_runs/variants_groups.json): rank 128 Identical B=16 17.5 ->
+# 13.5 µs, at h_in 11008 22.1 -> 15.1, Distinct B=3 14.1 -> 13.3; from 6 items on no gain. Rank 64
+# Identical B=16 11.9 -> 10.8 and B=64 (4 items) 12.0 -> 11.5, but one-row items lose (Distinct
+# B=2 10.2 -> 10.7): their partials are small, so a cluster exchanges them cheaply.
+_GROUPED = {64: ((4, 8, 4, 8),), 128: ((4, 16, 4, 1),)}
+_FORCEABLE_GROUPS = (2, 4)
 # add_lora before sm_90: split-K over blocks whose partials meet in L2 (kernels/exchange.cuh).
 # The blocks of an item wait for each other, so only grids the GPU holds at once: at most
 # GX_PER_SM blocks per SM by rows per item (the registers allow 3 and 2: MINB in sgmv.cu).
@@ -36,9 +45,10 @@ _CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 
 
 def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch: int, split: int = SPLIT,
-                warps: int = 4, sliced: bool = False):
+                warps: int = 4, sliced: bool = False, groups: int = 1):
     """(template instantiation, blocks per item, rows per item, warps per block) for one call shape;
-    sliced: the fused kernel over several slices (add_lora_sliced)."""
+    sliced: the fused kernel over several slices (add_lora_sliced); groups: clusters per item
+    (rank groups: the fused one-slice kernel of decode rows, 4-warp blocks, sm_90)."""
     rmax = _rmax(max_rank)
     if rmax is None:
         raise ValueError(f"max_rank {max_rank} > {_RMAX[-1]}")
@@ -47,6 +57,10 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
         split = 1  # the standalone shrink sums split-K partials across a cluster: sm_90 only
     if mode != FUSED or mt != 1 or arch < 90:
         warps = 4  # 8-warp blocks: decode tiles of the fused cluster kernel only
+    if groups > 1:
+        if mode != FUSED or mt != 1 or arch < 90 or sliced or warps != 4 or split == 1 or rmax < 16 * groups:
+            raise ValueError(f"rank groups: not for this call shape (rank tile {rmax}, split {split}, {groups} groups)")
+        return f"sgmv_grouped_kernel<{_CTYPE[dtype]}, {rmax}, 1, {split}, {mode}, float, 4, {groups}>", split, 16, 4
     cluster = "cluster_" if split > 1 and mode != EXPAND and arch >= 90 else ""
     name = f"sgmv_{'sliced_' if sliced else ''}{cluster}kernel<{_CTYPE[dtype]}, {rmax}, {mt}, {split}, {mode}, float, {warps}>"
     return name, split, 16 * mt, warps
@@ -63,7 +77,9 @@ def all_kernel_names(arch: int) -> list[str]:
     shapes = [(m, dt, r, t, split, w, sl) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
               for t in (1, _BIG_TILE_TOKENS) for split in (fused_splits if m == FUSED else (SPLIT,))
               for w in _FORCEABLE_WARPS for sl in ((False, True) if m == FUSED else (False,))]
-    return sorted({kernel_name(m, dt, r, t, arch, split, w, sl)[0] for m, dt, r, t, split, w, sl in shapes})
+    grouped = [(FUSED, dt, r, 1, split, 4, False, g) for dt in _CTYPE for r in (64, 128) for split in (8, 16)
+               for g in _FORCEABLE_GROUPS] if arch >= 90 else []
+    return sorted({kernel_name(m, dt, r, t, arch, *rest)[0] for m, dt, r, t, *rest in shapes + grouped})
 
 
 def _fused_shapes(rows: int, max_rank: int, arch: int):
@@ -73,9 +89,19 @@ def _fused_shapes(rows: int, max_rank: int, arch: int):
     return _FUSED_SHAPES.get((rows, _rmax(max_rank)), _FUSED_SHAPES[rows])
 
 
-def fused_shape(items: int, rows: int, max_rank: int, arch: int, sms: int) -> tuple[int, int]:
-    """(blocks per item, warps per block) of add_lora for a grid of `items` work items of `rows` rows."""
-    return next((s, w) for s, w, per_sm in _fused_shapes(rows, max_rank, arch) if items * s <= per_sm * sms)
+def _groupings(rows: int, max_rank: int, arch: int, sliced: bool):
+    """The rank groupings add_lora may pick for this call shape: (groups, split, most items, fewest rows per item)."""
+    return _GROUPED.get(_rmax(max_rank), ()) if arch >= 90 and rows == 16 and not sliced else ()
+
+
+def fused_shape(items: int, rows: int, max_rank: int, arch: int, sms: int, tokens: int = 0,
+                sliced: bool = False) -> tuple[int, int, int]:
+    """(blocks per item, warps per block, rank groups) of add_lora for a grid of `items` work items
+    of `rows` rows over `tokens` rows."""
+    for g, s, most, min_rows in _groupings(rows, max_rank, arch, sliced):
+        if items <= most and tokens >= min_rows * items:
+            return s, 4, g
+    return next((s, w, 1) for s, w, per_sm in _fused_shapes(rows, max_rank, arch) if items * s <= per_sm * sms)
 
 
 def fused_kernel_names(dtype: torch.dtype, max_rank: int, arch: int) -> list[str]:
@@ -85,4 +111,6 @@ def fused_kernel_names(dtype: torch.dtype, max_rank: int, arch: int) -> list[str
         rows = kernel_name(FUSED, dtype, max_rank, tokens, arch)[2]
         names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, w, sliced)[0]
                   for s, w, _ in _fused_shapes(rows, max_rank, arch) for sliced in (False, True)}
+        names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, 4, False, g)[0]
+                  for g, s, _, _ in _groupings(rows, max_rank, arch, False)}
     return sorted(names)

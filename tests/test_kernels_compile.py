@@ -95,7 +95,7 @@ def test_split_k_through_l2_only_for_grids_the_gpu_holds():
     splits = set()
     for rows, minb in ((16, 3), (32, 2)):
         for items in range(1, 400):
-            split, _ = sgmv_shapes.fused_shape(items, rows, 64, 80, 108)
+            split, _, _ = sgmv_shapes.fused_shape(items, rows, 64, 80, 108)
             splits.add(split)
             assert split == 1 or items * split <= min(minb, sgmv_shapes.GX_PER_SM[rows]) * 108, (rows, items, split)
     assert splits == {1, 4, 8, 16}

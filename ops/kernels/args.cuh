@@ -45,7 +45,6 @@ struct Tile {
   static constexpr int RED_BYTES = W * M * NTG * 8 * 4;  // per-warp partials of one pass
   static constexpr int VH_BYTES = M * RP * 2;
   static constexpr int SCRATCH = cmax(RED_BYTES, VH_BYTES);
-  // k16 chunks of B an expand step loads at once, as registers allow
+  // k16 chunks of B an expand step loads at once, as registers allow (sgmv_body may take more)
   static constexpr int KC = RMAX <= (W == 8 ? 32 : 64) ? RMAX / 16 : 2;
-  static constexpr int STEP_LOADS = 4 * MT + 4 * KC;  // 16-byte loads per lane of one expand step
 };

@@ -23,7 +23,8 @@ __device__ __forceinline__ void load_v(const SgmvArgs& a, const Piece& pc, T (*v
 
 // The loads of one 64-column expand step that need no v: the y tile (read-
 // modify-write) and B's first KC k16 chunks (every chunk up to rank 64), all
-// issued together so a step costs one memory round trip, not one per chunk.
+// issued together so a step costs one memory round trip, not one per chunk
+// (past KC, expand_step loads the rest KC chunks at a time).
 template <int MT, int KC>
 struct StepLoads {
   uint4 y[MT][2][2];  // [row tile][row g / g+8][columns 16q.. / 16q+8..]
@@ -133,16 +134,18 @@ __device__ __forceinline__ void store_step(const ExpandLanes<T>& ln, const Piece
   });
 }
 
+// B chunks past the step's first KC that expand_step loads at once: KC, or one in 8-warp blocks
+// (two spill in sliced rank-128 kernels).
+__host__ __device__ constexpr int rest_chunks(int W, int KC) { return W == 8 ? 1 : KC; }
+
 // 64-column steps in the block's column share cs.
 __device__ __forceinline__ int expand_steps(int2 cs) { return (cs.y - cs.x + 63) / 64; }
 
 // One 64-column step at column cb: acc = vh @ B[:, cb..] from the step's loads `st`
-// (rank 128: the chunks past KC loaded here), then y += scale * acc.
-template <class T, int RMAX, int MT, int W>
+// (rank 128: the chunks past KC loaded here, KG at a time), then y += scale * acc.
+template <class T, int RMAX, int MT, int KG, int KC>
 __device__ __forceinline__ void expand_step(const ExpandLanes<T>& ln, const Piece& pc, int cb, int cend,
-                                            const T (*vh)[Tile<T, RMAX, MT>::RP],
-                                            const StepLoads<MT, Tile<T, RMAX, MT, W>::KC>& st) {
-  constexpr int KC = Tile<T, RMAX, MT, W>::KC;
+                                            const T (*vh)[Tile<T, RMAX, MT>::RP], const StepLoads<MT, KC>& st) {
   const int ksteps = (pc.rank + 15) / 16;
   float acc[MT][8][4] = {};
 #pragma unroll
@@ -150,12 +153,16 @@ __device__ __forceinline__ void expand_step(const ExpandLanes<T>& ln, const Piec
     if (kk >= ksteps) break;
     mma_k16<T, RMAX, MT>(acc, st.b[kk], vh, kk);
   }
+  // One round trip per KG chunks, not per chunk (H200, rank 128 Identical B=16: -1.5 µs)
 #pragma unroll
-  for (int kk = KC; kk < RMAX / 16; ++kk) {
-    if (kk >= ksteps) break;
-    uint4 br[4];
-    load_b_k16(br, ln, pc.rank, kk, cb, cend);
-    mma_k16<T, RMAX, MT>(acc, br, vh, kk);
+  for (int k0 = KC; k0 < RMAX / 16; k0 += KG) {
+    if (k0 >= ksteps) break;
+    uint4 br[KG][4];
+#pragma unroll
+    for (int kk = 0; kk < KG; ++kk) load_b_k16(br[kk], ln, pc.rank, k0 + kk, cb, cend);  // masked past the rank
+#pragma unroll
+    for (int kk = 0; kk < KG; ++kk)
+      if (k0 + kk < ksteps) mma_k16<T, RMAX, MT>(acc, br[kk], vh, k0 + kk);
   }
   store_step(ln, pc, st.y, acc, cb, cend);
 }
@@ -164,11 +171,9 @@ __device__ __forceinline__ void expand_step(const ExpandLanes<T>& ln, const Piec
 // taking steps w, w + W, ...; `cur` holds the loads of the warp's first step, issued
 // before v was ready. PIPE (as registers allow): step s + 1 is loaded before step s is
 // computed.
-template <class T, int RMAX, int MT, int W, bool PIPE>
+template <class T, int RMAX, int MT, int W, bool PIPE, int KC>
 __device__ __forceinline__ void expand_tile(const ExpandLanes<T>& ln, const Piece& pc, int2 cs,
-                                            const T (*vh)[Tile<T, RMAX, MT>::RP],
-                                            StepLoads<MT, Tile<T, RMAX, MT, W>::KC> cur) {
-  constexpr int KC = Tile<T, RMAX, MT, W>::KC;
+                                            const T (*vh)[Tile<T, RMAX, MT>::RP], StepLoads<MT, KC> cur) {
   const int w = threadIdx.x >> 5, nsteps = expand_steps(cs);
   for (int s = w; s < nsteps; s += W) {
     const int cb = cs.x + s * 64;
@@ -177,7 +182,7 @@ __device__ __forceinline__ void expand_tile(const ExpandLanes<T>& ln, const Piec
     const bool more = s + W < nsteps;
     StepLoads<MT, KC> next;
     if (PIPE && more) load_step(next, ln, pc, cb + W * 64, cs.y);
-    expand_step<T, RMAX, MT, W>(ln, pc, cb, cs.y, vh, cur);
+    expand_step<T, RMAX, MT, rest_chunks(W, KC)>(ln, pc, cb, cs.y, vh, cur);
     if (!more) break;
     if (PIPE) cur = next;
     else load_step(cur, ln, pc, cb + W * 64, cs.y);
@@ -197,17 +202,16 @@ __device__ __forceinline__ void load_ring(StepLoads<MT, KC> (&ring)[DEPTH], cons
 // expand_tile's schedule with DEPTH steps' loads in flight, unrolled over a ring of DEPTH
 // buffers (ring[d] holds step w + d * W, load_ring): a buffer is refilled as soon as its
 // step is stored, with no register copy that would first wait for the next step's loads.
-template <class T, int RMAX, int MT, int W, int DEPTH>
+template <class T, int RMAX, int MT, int W, int DEPTH, int KC>
 __device__ __forceinline__ void expand_ring(const ExpandLanes<T>& ln, const Piece& pc, int2 cs,
-                                            const T (*vh)[Tile<T, RMAX, MT>::RP],
-                                            StepLoads<MT, Tile<T, RMAX, MT, W>::KC> (&ring)[DEPTH]) {
+                                            const T (*vh)[Tile<T, RMAX, MT>::RP], StepLoads<MT, KC> (&ring)[DEPTH]) {
   const int w = threadIdx.x >> 5, nsteps = expand_steps(cs);
   for (int s0 = w; s0 < nsteps; s0 += DEPTH * W) {
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) {
       const int s = s0 + d * W, cb = cs.x + s * 64;
       if (s >= nsteps) return;
-      expand_step<T, RMAX, MT, W>(ln, pc, cb, cs.y, vh, ring[d]);
+      expand_step<T, RMAX, MT, rest_chunks(W, KC)>(ln, pc, cb, cs.y, vh, ring[d]);
       if (s + DEPTH * W < nsteps) load_step(ring[d], ln, pc, cb + DEPTH * W * 64, cs.y);
     }
   }

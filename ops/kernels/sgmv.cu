@@ -57,9 +57,16 @@ __device__ __forceinline__ int2 share(int n, int unit, int part, int SPLIT) {
 // `item`: the work item this block's cluster (or, with SPLIT 1, this block) computes. SLICED:
 // `a` is one slice's (sliced_body), its pointers held in registers, not read as constants.
 // GX: split-K without clusters, the partials exchanged through global memory (exchange.cuh).
-template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W, bool SLICED = false, bool GX = false>
+// G > 1 (rank groups): G clusters share the item; cluster g sums v's rank columns
+// [g * RMAX / G, (g + 1) * RMAX / G) over all of h_in, the clusters trade their columns through
+// global memory (share_v), and each of the item's G * SPLIT blocks expands 1 / (G * SPLIT) of
+// h_out. For grids of few items at large ranks, whose one cluster per item would leave most
+// SMs idle.
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W, bool SLICED = false, bool GX = false,
+          int G = 1>
 __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
   using TL = Tile<T, RMAX, MT, W>;
+  using TS = Tile<T, RMAX / G, MT, W>;  // the shrink's rank tile
   constexpr bool CLUSTER = SPLIT > 1 && MODE != EXPAND && !GX;
   __shared__ __align__(16) float part[TL::M][RMAX];
   __shared__ __align__(16) unsigned char scratch[TL::SCRATCH];  // red, later vh
@@ -71,16 +78,23 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
   // tests/test_kernels_compile.py); the shrink kernel alone keeps more addresses live
   // (sliced kernels hold their slice's pointers in registers: four loads fewer, or they spill)
   constexpr int BUDGET = (W == 8 ? 16 : MT == 1 && SPLIT <= 4 ? (MODE == SHRINK ? 28 : 30) : 24) - (SLICED ? 4 : 0);
+  // B's k16 chunks an expand step loads at once. Rank 128 in clusters of 8 or 16 (few items,
+  // latency-bound): 4, not 2, so the step's 8 chunks come in two round trips and the shrink keeps
+  // the whole budget (the early loads no longer fit; H200 Identical B=16 -2 µs, Distinct B=1
+  // -1.6). Not in clusters of 4 (many items): Distinct B=64 +3 µs without the early loads
+  // (benchmarks/results/trace_runs/variants_r128.json).
+  constexpr int KC = RMAX == 128 && MT == 1 && W == 4 && SPLIT >= 8 ? 4 : TL::KC;
+  constexpr int STEP_LOADS = 4 * MT + 4 * KC;  // 16-byte loads per lane of one expand step
   // Decode tiles, where registers allow: the expand's first loads (B does not depend on v)
   // fly with the shrink's. (Streaming all of B beside A through shared memory was slower:
   // benchmarks/results/trace_runs.)
-  constexpr bool EARLY = MODE == EXPAND || (MODE == FUSED && MT == 1 && 2 * TL::STEP_LOADS <= BUDGET);
+  constexpr bool EARLY = MODE == EXPAND || (MODE == FUSED && MT == 1 && 2 * STEP_LOADS <= BUDGET);
   // Early-loading tiles push each block's partial of v into every peer (st.async, counted by
   // the peer's mbarrier) where the copies fit, so neither a cluster barrier nor a remote read
   // lies between the last partial and the expand (H200: -0.1 to -0.4 µs at ranks 16 and 32).
   // Not the others: with the expand's loads issued after the shrink, it was slower (rank 64
   // Distinct B=16: +0.6 µs; benchmarks/results/trace_runs/variants_async_push.json).
-  constexpr bool PUSH = CLUSTER && EARLY;
+  constexpr bool PUSH = CLUSTER && EARLY && G == 1;
   // Rank 16 in clusters of 4 (4 expand steps per warp at h_out 4096): the expand's steps
   // as a ring of 2 (expand_ring), the second loaded while the cluster's partials meet (H200
   // Distinct B=64: -0.5 then -0.35 µs). Not at rank 32 (B=64: +0.5, ahead +0.8), nor with
@@ -115,7 +129,8 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
   TRACE(1)
   if (!adapter_rank<STAGE_SCALES>(a.ranks, a.scales, index, a.max_rank, pc)) return;
   TRACE(2)
-  const int2 ks = share(a.h_in, 32, crank, SPLIT), cs = share(a.h_out, 64, crank, SPLIT);
+  const int group = G > 1 ? blockIdx.x / SPLIT % G : 0;
+  const int2 ks = share(a.h_in, 32, crank, SPLIT), cs = share(a.h_out, 64, group * SPLIT + crank, G * SPLIT);
   const bool push = PUSH && SPLIT * pc.rows <= TL::M;  // the SPLIT copies of the partial fit in part
   if (push && threadIdx.x == 0) {
     constexpr int NG = TL::NTG * 8;  // rank columns per shrink pass, each pushed whole
@@ -123,14 +138,14 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
   }
   // ExpandLanes is built where each use is: one copy held through the shrink cost rank 64
   // B=16 0.4 µs (trace_runs/variants_expand_lanes_late.json).
-  StepLoads<MT, TL::KC> ring[DEPTH];  // ring[0]: the warp's first expand step
+  StepLoads<MT, KC> ring[DEPTH];  // ring[0]: the warp's first expand step
   const int first_col = cs.x + (threadIdx.x >> 5) * 64;
   if (EARLY) load_step(ring[0], ExpandLanes<T>(a, pc), pc, first_col, cs.y);
   if (MODE == EXPAND) {
     load_v<T, RMAX, MT, W, VT>(a, pc, vh);
   } else {
-    constexpr int LOADS = BUDGET - (EARLY ? TL::STEP_LOADS : 0);
-    constexpr int U = cmax(1, cmin(8, LOADS / (2 * MT + TL::NTG)));
+    constexpr int LOADS = BUDGET - (EARLY ? STEP_LOADS : 0);
+    constexpr int U = cmax(1, cmin(8, LOADS / (2 * MT + TS::NTG)));
     float* red = reinterpret_cast<float*>(scratch);
     // Items of at most 8 rows (Distinct decode) load no x rows 8..15, so more of A is in
     // flight: rank 16 in clusters of 4 reads its k-share in one round, not two (H200,
@@ -141,7 +156,8 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
     if (MT == 1 && W == 4 && RMAX == 16 && pc.rows <= 8)
       shrink_partial<T, RMAX, MT, W, UH, 1, SPLIT, PUSH>(a, pc, ks, part, red, push, crank, &pushed);
     else
-      shrink_partial<T, RMAX, MT, W, U, 2, SPLIT, PUSH>(a, pc, ks, part, red, push, crank, &pushed);
+      shrink_partial<T, RMAX, MT, W, U, 2, SPLIT, PUSH, RMAX / G>(a, pc, ks, part, red, push, crank, &pushed,
+                                                                    group * (RMAX / G));
     TRACE(3)
     const int xitem = blockIdx.y * (gridDim.x / SPLIT) + item;  // across slices
     if (GX) exchange_partial<TL::M, RMAX, SPLIT, W>(a.xpart, a.xcount, part, pc.rows, (pc.rank + 15) & ~15, xitem, crank);
@@ -156,12 +172,16 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
       else cluster_arrive_relaxed();
     }
     if (MODE == FUSED && !EARLY) load_step(ring[0], ExpandLanes<T>(a, pc), pc, first_col, cs.y);
-    if (RING) load_ring<T, MT, TL::KC, W, DEPTH>(ring, ExpandLanes<T>(a, pc), pc, cs);
+    if (RING) load_ring<T, MT, KC, W, DEPTH>(ring, ExpandLanes<T>(a, pc), pc, cs);
     if (pull) cluster_wait();  // every block's partial is visible
     if (push) mbar_wait(&pushed, 0);  // every block's partial has landed here
     TRACE(4)
-    reduce_partials<T, RMAX, MT, SPLIT, W, VT, GX>(a, pc, crank, part, vh, MODE == FUSED, push, xitem);
+    // v's columns this cluster sums, in the expand's 16-column steps (the rank's, rounded up)
+    const int rr = (pc.rank + 15) & ~15;
+    const int2 cols = G > 1 ? make_int2(min(rr, group * (RMAX / G)), min(rr, (group + 1) * (RMAX / G))) : make_int2(0, rr);
+    reduce_partials<T, RMAX, MT, SPLIT, W, VT, GX, (G > 1)>(a, pc, crank, part, vh, MODE == FUSED, push, xitem, cols);
     if (pull) cluster_arrive_relaxed();  // done reading the peers' partials
+    if (G > 1) share_v<T, TL::M, RMAX, G * SPLIT, W>(a.xpart, a.xcount, vh, pc.rows, cols, rr, xitem, crank == 0);
     TRACE(5)
   }
   if (MODE != SHRINK) {
@@ -215,6 +235,14 @@ __global__ void __launch_bounds__(32 * W, MINB) sgmv_sliced_kernel(const SgmvSli
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
 __global__ void __launch_bounds__(32 * W, MINB) __cluster_dims__(SPLIT, 1, 1) sgmv_cluster_kernel(const SgmvArgs a) {
   sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W>(a, blockIdx.x / SPLIT);
+}
+
+// The fused add-on in rank groups: G clusters per item (sgmv_body). Its blocks wait for the
+// other clusters of their item, so ops/sgmv.py launches it only for grids the GPU holds at once.
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W, int G>
+__global__ void __launch_bounds__(32 * W, MINB) __cluster_dims__(SPLIT, 1, 1) sgmv_grouped_kernel(const SgmvArgs a) {
+  static_assert(MODE == FUSED && G > 1 && RMAX % (16 * G) == 0, "rank groups: the fused add-on, 16-column groups");
+  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W, false, false, G>(a, blockIdx.x / SPLIT / G);
 }
 
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>

@@ -45,11 +45,13 @@ __device__ __forceinline__ void exchange_pair(uint4& r1, uint4& r2, int e) {
 // PUSH kernels (sgmv_body): the first pass waits at the cluster barrier the block arrived
 // at on entry; with `push` the partial goes to the peers (push_partial) instead of part.
 // H: x row halves (of 8) loaded per row tile; with 1, rows 8..15 are zeros (items of at
-// most 8 rows, MT 1) and their loads' registers carry more of A.
-template <class T, int RMAX, int MT, int W, int U, int H, int SPLIT, bool PUSH>
+// most 8 rows, MT 1) and their loads' registers carry more of A. Rank groups (sgmv_body): the
+// columns [lo, lo + RS) only, in passes of RS's tile.
+template <class T, int RMAX, int MT, int W, int U, int H, int SPLIT, bool PUSH, int RS = RMAX>
 __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& pc, int2 ks, float (*part)[RMAX],
-                                               float* red, bool push, int crank, unsigned long long* bar) {
-  using TL = Tile<T, RMAX, MT, W>;
+                                               float* red, bool push, int crank, unsigned long long* bar,
+                                               int lo = 0) {
+  using TL = Tile<T, RS, MT, W>;
   constexpr int NTG = TL::NTG, M = TL::M;
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
   const int nsteps = (ks.y - ks.x + 31) / 32;
@@ -63,8 +65,9 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
   // 16 and 32, where whole lines gained nothing and the exchange cost r16 B1 +0.55, nor 128
   // (+0.03 to +0.15), nor in clusters of 4 (spills; benchmarks/results/trace_runs/
   // variants_full_lines.json, variants_whole_lines_ab.json).
-  constexpr bool WHOLE = MT == 1 && RMAX == 64 && SPLIT >= 8;
-  for (int n0 = 0; n0 < pc.rank; n0 += NTG * 8) {
+  constexpr bool WHOLE = MT == 1 && RS == 64 && SPLIT >= 8;
+  const int hi = RS == RMAX ? pc.rank : min(pc.rank, lo + RS);
+  for (int n0 = lo; n0 < hi; n0 += NTG * 8) {
     float acc[MT][NTG][4] = {};
     // A warp takes U consecutive 64-byte steps of each row: whole 128-byte lines.
     for (int s0 = w * U; s0 < nsteps; s0 += W * U) {
@@ -86,7 +89,7 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
 #pragma unroll
         for (int nt = 0; nt < NTG; ++nt) {
           const int n = n0 + nt * 8 + (pair ? (g & ~1) + (u & 1) : g);
-          av[u][nt] = ldg16_stream(A + (long long)n * a.h_in + ka, sa < nsteps && ka < ks.y && n < pc.rank);
+          av[u][nt] = ldg16_stream(A + (long long)n * a.h_in + ka, sa < nsteps && ka < ks.y && n < hi);
         }
       }
 #pragma unroll
@@ -116,7 +119,7 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
           red[(w * M + row) * NG + col] = acc[mt][nt][c];
         }
     __syncthreads();
-    if (PUSH && n0 == 0) cluster_wait();  // every peer has started and initialised its mbarrier
+    if (PUSH && n0 == lo) cluster_wait();  // every peer has started and initialised its mbarrier
     if (push) {
       push_partial<M, NG, SPLIT, W>(red, part, pc.rows, n0, crank, bar);
     } else {
@@ -135,17 +138,17 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
 // `peer(c, m, n)`; lands in vh (activation dtype, MMA operand) and optionally in v.
 // Indexed by compile-time quads per row, and one loop per source (reduce_partials), so
 // the few threads on this latency-bound path run no division and no untaken loads.
-template <class T, int RMAX, int MT, int SPLIT, int W, class VT, class Peer>
+// LOW: columns start at cols.x, not 0 (rank groups).
+template <class T, int RMAX, int MT, int SPLIT, int W, class VT, bool LOW, class Peer>
 __device__ __forceinline__ void reduce_rows(const SgmvArgs& a, const Piece& pc, int crank,
-                                            T (*vh)[Tile<T, RMAX, MT>::RP], bool keep_vh, Peer peer) {
+                                            T (*vh)[Tile<T, RMAX, MT>::RP], bool keep_vh, int2 cols, Peer peer) {
   constexpr int Q = RMAX / 4;
-  const int rr = (pc.rank + 15) & ~15;
   VT* v = static_cast<VT*>(a.v);
   // Rows past the piece are left as they are: an MMA row only feeds its own output row,
   // and those are never stored (Distinct: 1 row in 16, so 1/16 of the remote reads).
   for (int e = threadIdx.x; e < pc.rows * Q; e += 32 * W) {
     const int m = e / Q, n = e % Q * 4;
-    if (n >= rr) continue;
+    if ((LOW && n < cols.x) || n >= cols.y) continue;
     float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int c = 0; c < SPLIT; ++c) {
@@ -167,16 +170,16 @@ __device__ __forceinline__ void reduce_rows(const SgmvArgs& a, const Piece& pc, 
 }
 
 // The partials are read from this block's part (one block, or the copies the peers pushed),
-// from the peers' shared memory, or (GX) from the global workspace.
-template <class T, int RMAX, int MT, int SPLIT, int W, class VT, bool GX>
+// from the peers' shared memory, or (GX) from the global workspace; v's columns [cols.x, cols.y).
+template <class T, int RMAX, int MT, int SPLIT, int W, class VT, bool GX, bool LOW>
 __device__ __forceinline__ void reduce_partials(const SgmvArgs& a, const Piece& pc, int crank,
                                                 float (*part)[RMAX], T (*vh)[Tile<T, RMAX, MT>::RP],
-                                                bool keep_vh, bool push, int xitem) {
+                                                bool keep_vh, bool push, int xitem, int2 cols) {
   constexpr int M = Tile<T, RMAX, MT>::M;
   auto local = [&](int c, int m, int n) { return *reinterpret_cast<const float4*>(&part[c * pc.rows + m][n]); };
   auto remote = [&](int c, int m, int n) { return ld_dsmem_f4(dsmem_addr(&part[m][n], c)); };
   auto global = [&](int c, int m, int n) { return peer_partial<M, RMAX, SPLIT>(a.xpart, xitem, c, m, n); };
-  if constexpr (GX) reduce_rows<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, vh, keep_vh, global);
-  else if (SPLIT == 1 || push) reduce_rows<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, vh, keep_vh, local);
-  else reduce_rows<T, RMAX, MT, SPLIT, W, VT>(a, pc, crank, vh, keep_vh, remote);
+  if constexpr (GX) reduce_rows<T, RMAX, MT, SPLIT, W, VT, LOW>(a, pc, crank, vh, keep_vh, cols, global);
+  else if (SPLIT == 1 || push) reduce_rows<T, RMAX, MT, SPLIT, W, VT, LOW>(a, pc, crank, vh, keep_vh, cols, local);
+  else reduce_rows<T, RMAX, MT, SPLIT, W, VT, LOW>(a, pc, crank, vh, keep_vh, cols, remote);
 }

@@ -152,6 +152,26 @@ def test_every_cluster_width_and_block_size(split, warps):
     assert not failures, "\n".join(failures[:20])
 
 
+@pytest.mark.parametrize("groups", (2, 4))
+@pytest.mark.parametrize("split", (8, 16))
+def test_every_rank_group_width(split, groups):
+    """Rank groups (clusters of an item each summing a share of v's ranks, traded through global
+    memory): exact at rank tiles 64 and 128, mixed ranks included (some groups then hold no
+    columns). Grids past what the GPU holds at once fall back to one cluster per item."""
+    rng = np.random.default_rng(split * 10 + groups)
+    failures = []
+    for dtype, rank, h_in in ((torch.float16, 64, 4096), (torch.bfloat16, "mixed", 4096), (torch.float16, 128, 11008)):
+        pool = make_pool(dtype, h_in, 4096, rank, seed=groups)
+        failures += [f for w in WORKLOADS for b in (1, 2, 3, 7, 16, 64)
+                     for f in check_case(dtype, h_in, 4096, rank, w, b, pool, rng, split=split, groups=groups)]
+    assert not failures, "\n".join(failures[:20])
+    A, B, ranks, scales = pool
+    segs = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    plan = sgmv.launch_plan(sgmv.FUSED, 1, A=A, B=B, indptr=segs, slot_ids=segs[:1], ranks=ranks, scales=scales,
+                            split=split, groups=groups)
+    assert "grouped" in plan.name and plan.blocks == split * groups and plan.args.xcount is not None
+
+
 def test_sm80_code_path_on_this_device(monkeypatch):
     """The kernels an A100 runs (no clusters: the fused kernel's split-K partials meet in L2,
     or one block per item on large grids; the expand split over 8 plain blocks), built as
@@ -227,10 +247,11 @@ def test_sliced_equals_reference_of_every_slice(h_outs, split, monkeypatch):
     assert not failures, "\n".join(failures[:20])
 
 
-@pytest.mark.parametrize("arch,tokens,batch", [(None, 64, 40), (80, 32, 16)], ids=("own", "sm_80"))
+@pytest.mark.parametrize("arch,tokens,batch", [(None, 64, 40), (80, 32, 16), (None, 4, 3)],
+                         ids=("own", "sm_80", "rank_groups"))
 def test_cuda_graph_capture_and_replay(arch, tokens, batch, monkeypatch):
     """sm_80: a grid small enough for split-K through L2, whose counters carry over from replay
-    to replay."""
+    to replay; rank_groups: few items at rank 128, whose clusters count in on those counters."""
     if arch:
         monkeypatch.setattr(sgmv, "_arch", lambda index: arch)
     dtype, h = torch.float16, 4096
@@ -242,6 +263,9 @@ def test_cuda_graph_capture_and_replay(arch, tokens, batch, monkeypatch):
     indptr = torch.zeros(tokens + 1, dtype=torch.int32, device="cuda")
     slot_ids = torch.full((tokens,), -1, dtype=torch.int32, device="cuda")
     sgmv.add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=PAD, v=v)  # compile outside capture
+    plan = sgmv.launch_plan(sgmv.FUSED, tokens, x=x, y=y, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks,
+                            scales=scales)
+    assert ("grouped" in plan.name) == (batch == 3), plan.name
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         sgmv.add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=PAD, v=v)
