@@ -26,7 +26,9 @@ _FUSED_SHAPES = {
 # H200 (benchmarks/results/trace_runs/variants_groups.json): rank 128 Identical B=16 17.5 ->
 # 13.5 µs, at h_in 11008 22.1 -> 15.1, Distinct B=3 14.1 -> 13.3; from 6 items on no gain. Rank 64
 # Identical B=16 11.9 -> 10.8 and B=64 (4 items) 12.0 -> 11.5, but one-row items lose (Distinct
-# B=2 10.2 -> 10.7): their partials are small, so a cluster exchanges them cheaply.
+# B=2 10.2 -> 10.7; and Uniform B=16, 4 rows per item, 10.7 -> 11.5): their partials are small, so
+# a cluster exchanges them cheaply. Rank 32 loses everywhere (Identical B=16 10.1 -> 10.9;
+# variants_groups_r32.json, variants_groups_r64.json).
 _GROUPED = {64: ((4, 8, 4, 8),), 128: ((4, 16, 4, 1),)}
 _FORCEABLE_GROUPS = (2, 4)
 # add_lora before sm_90: split-K over blocks whose partials meet in L2 (kernels/exchange.cuh).
