@@ -88,8 +88,7 @@ def warm_up(dtype: torch.dtype, max_rank: int, device) -> None:
     index = torch.cuda.current_device() if index is None else index
     for name in fused_kernel_names(dtype, max_rank, _arch(index)):
         _function(name, index)
-    if _arch(index) < 90:
-        _exchange_workspace(index)
+    _exchange_workspace(index)  # split-K through L2 (sm_80) and rank groups (sm_90): not allocated mid-capture
 
 
 def _check(x, pool, y, v, segs, y_offset=0):
@@ -215,16 +214,17 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
     The whole LoRA add-on in one launch: a cluster of 16, 8 or 4 blocks (by grid
     size: see ops/sgmv_shapes.py) per work item splits h_in for the
     shrink, sums the partial v in distributed shared memory, then splits h_out
-    for the expand (sm_90; before it, one block per item).
+    for the expand (sm_90; before it, the partials meet in L2). A grid of at most 4
+    items at rank tiles 64 and 128 (rank groups, sm_90): 4 clusters per item,
+    each summing a quarter of v's ranks, which they trade through a per-device
+    workspace in L2.
     y: [tokens, >= y_offset + h_out] fp16/bf16 updated in place (row stride
     y.stride(0)); x: [tokens, h_in]; A: [slots, max_rank, h_in];
-    B: [slots, max_rank, h_out]. v never leaves the chip, so no scratch is
-    needed; pass v (float32 [tokens, >= max_rank]) to also receive x @ A.T as
-    sgmv_shrink writes it. Few items at rank tiles 64 and 128: 2 or 4 clusters per
-    item, each summing a share of v's ranks, trading them through global memory
-    (rank groups). split (cluster width), warps (per block) and groups (clusters
-    per item) override the measured defaults (for the benchmark's sweep and the
-    tests). Returns y.
+    B: [slots, max_rank, h_out]. Otherwise v never leaves the chip, so the
+    caller passes no scratch; pass v (float32 [tokens, >= max_rank]) to also
+    receive x @ A.T as sgmv_shrink writes it. split (cluster width), warps (per
+    block) and groups (clusters per item) override the measured defaults (for the
+    benchmark's sweep and the tests). Returns y.
     """
     if not x.is_cuda:
         if v is not None:

@@ -5,7 +5,9 @@
 // (split-K), in the expand each writes 1/SPLIT of h_out. The fused kernel runs
 // the SPLIT blocks as one thread-block cluster (sm_90): partial sums of v meet
 // in distributed shared memory, so shrink + expand is one launch and v never
-// leaves the chip. Before sm_90 they meet in L2 (exchange.cuh).
+// leaves the chip. Before sm_90 they meet in L2 (exchange.cuh). A grid of few
+// items at a large rank (sm_90) may give each item G clusters, each summing
+// 1/G of v's ranks; their columns of v then meet in L2 (rank groups, share_v).
 //
 // Tensor cores do all the products (mma m16n8k16, fp32 accumulate), fed
 // straight from 16-byte global loads without shared-memory staging (shrink.cuh,
