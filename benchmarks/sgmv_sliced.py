@@ -1,7 +1,7 @@
 """Fused projections: the LoRA add-ons of q|k|v (or gate|up) in one sliced launch, against one
 launch per member (what the model ran before add_lora_sliced).
 
-On the device:  python benchmarks/sgmv_sliced.py [--vllm] --out benchmarks/results/sgmv_sliced_h200.json
+On the device:  python benchmarks/sgmv_sliced.py [--vllm] [--ranks 128] --out benchmarks/results/sgmv_sliced_h200.json
 Anywhere:       python benchmarks/sgmv_sliced.py --plot-only
 --vllm: vLLM's Triton kernels over the same members in the same run (one shrink and one expand
 over all slices, as vLLM runs a fused projection; see benchmarks/sgmv.py), column vllm_us.
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph  # noqa: E402
 from benchmarks import vllm_peer  # noqa: E402
-from benchmarks.sgmv import POOL, request_adapters  # noqa: E402
+from benchmarks.sgmv import POOL, random_pool, request_adapters  # noqa: E402
 from ops import sgmv  # noqa: E402
 from ops.lora import LoraSlice  # noqa: E402
 
@@ -84,16 +84,15 @@ class Case:
         assert err < 1e-2, f"sliced differs from per-member launches: rel err {err:.1e}"
 
 
-def run(out, with_vllm):
+def run(out, with_vllm, ranks=RANKS):
     vllm_ops, vllm_version = vllm_peer.load() if with_vllm else (None, None)
     rng = np.random.default_rng(0)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     bw = copy_bandwidth()
     rows, sweep = [], []
     for proj, widths in PROJECTIONS.items():
-        for rank in RANKS:
-            pools = [(torch.randn(POOL, rank, H_IN, device="cuda", dtype=torch.float16) / H_IN**0.5,
-                      torch.randn(POOL, rank, w, device="cuda", dtype=torch.float16) / rank**0.5) for w in widths]
+        for rank in ranks:
+            pools = [random_pool(rank, H_IN, w) for w in widths]
             vllm_pool = vllm_peer.VllmPool(vllm_ops, pools) if with_vllm else None
             for workload in WORKLOADS:
                 for batch in BATCHES:
@@ -144,12 +143,12 @@ def plot(result, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    projections = list(result["meta"]["projections"])
+    projections, ranks = list(result["meta"]["projections"]), sorted({r["rank"] for r in result["rows"]})
     fig, axes = plt.subplots(len(projections), len(WORKLOADS), figsize=(14, 11), sharex=True)
     for i, proj in enumerate(projections):
         for j, workload in enumerate(WORKLOADS):
             ax = axes[i][j]
-            for k, rank in enumerate(RANKS):
+            for k, rank in enumerate(ranks):
                 rows = [r for r in result["rows"] if (r["projection"], r["rank"], r["workload"]) == (proj, rank, workload)]
                 b = [r["batch"] for r in rows]
                 ax.plot(b, [r["sliced_us"] for r in rows], marker="o", color=f"C{k}", label=f"r={rank} sliced")
@@ -172,9 +171,10 @@ def main():
     ap.add_argument("--out", type=pathlib.Path, default=RESULT)
     ap.add_argument("--plot-only", action="store_true", help="read --out and write the PNG beside it")
     ap.add_argument("--vllm", action="store_true", help="time vLLM's Triton kernels too ($VLLM_PEER_SITE)")
+    ap.add_argument("--ranks", type=lambda t: tuple(map(int, t.split(","))), default=RANKS)
     args = ap.parse_args()
     if not args.plot_only:
-        run(args.out, args.vllm)
+        run(args.out, args.vllm, args.ranks)
     result = json.loads(args.out.read_text())
     table(result)
     if args.plot_only:
