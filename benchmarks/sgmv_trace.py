@@ -70,15 +70,6 @@ def with_policy(func, policy):
     return func
 
 
-def max_active_clusters(func, plan, smem):
-    """How many of the kernel's clusters (its compiled cluster width) the device holds at once."""
-    cfg = driver.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = plan.blocks, 1, 1
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = plan.threads, 1, 1
-    cfg.sharedMemBytes, cfg.numAttrs = smem, 0
-    return int(_drv(driver.cuOccupancyMaxActiveClusters(func, cfg)))
-
-
 def summarize(traces, mhz):
     """Medians over launches of: start skew, span, and each phase's median / slowest block (µs);
     and over all launches' blocks, the shrink's median µs (rank known to partial) by how many
@@ -129,7 +120,7 @@ def main():
         buf, nbytes = _drv(driver.cuModuleGetGlobal(_drv(driver.cuFuncGetModule(func)), b"sgmv_trace"))
         traces = [trace_once(case, func, buf, nbytes, flush, args.smem) for _ in range(REPS + 3)][3:]
         rows.append(dict(rank=rank, batch=batch, kernel=p.name, defines=args.define, smem=args.smem, blocks=p.blocks,
-                         max_active_clusters=max_active_clusters(plain, p, args.smem), sm_mhz=mhz,
+                         max_active_clusters=launch.max_active_clusters(plain, p.cluster, p.threads, args.smem), sm_mhz=mhz,
                          graph_us=graph_us, **summarize(traces, mhz)))
         del pool
     args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
