@@ -119,9 +119,9 @@ def main():
                          args.smem)
         buf, nbytes = _drv(driver.cuModuleGetGlobal(_drv(driver.cuFuncGetModule(func)), b"sgmv_trace"))
         traces = [trace_once(case, func, buf, nbytes, flush, args.smem) for _ in range(REPS + 3)][3:]
+        clusters = launch.max_active_clusters(plain, p.cluster, p.threads, args.smem)
         rows.append(dict(rank=rank, batch=batch, kernel=p.name, defines=args.define, smem=args.smem, blocks=p.blocks,
-                         max_active_clusters=launch.max_active_clusters(plain, p.cluster, p.threads, args.smem), sm_mhz=mhz,
-                         graph_us=graph_us, **summarize(traces, mhz)))
+                         max_active_clusters=clusters, sm_mhz=mhz, graph_us=graph_us, **summarize(traces, mhz)))
         del pool
     args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
     print("defines:", args.define)
