@@ -180,7 +180,8 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
     TRACE(4)
     // v's columns this cluster sums, in the expand's 16-column steps (the rank's, rounded up)
     const int rr = (pc.rank + 15) & ~15;
-    const int2 cols = G > 1 ? make_int2(min(rr, group * (RMAX / G)), min(rr, (group + 1) * (RMAX / G))) : make_int2(0, rr);
+    const int2 cols =
+        G > 1 ? make_int2(min(rr, group * (RMAX / G)), min(rr, (group + 1) * (RMAX / G))) : make_int2(0, rr);
     reduce_partials<T, RMAX, MT, SPLIT, W, VT, GX, (G > 1)>(a, pc, crank, part, vh, MODE == FUSED, push, xitem, cols);
     if (pull) cluster_arrive_relaxed();  // done reading the peers' partials
     if (G > 1) share_v<T, TL::M, RMAX, G * SPLIT, W>(a.xpart, a.xcount, vh, pc.rows, cols, rr, xitem, crank == 0);
