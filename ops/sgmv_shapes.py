@@ -50,7 +50,8 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
                 warps: int = 4, sliced: bool = False, groups: int = 1):
     """(template instantiation, blocks per item, rows per item, warps per block) for one call shape;
     sliced: the fused kernel over several slices (add_lora_sliced); groups: clusters per item
-    (rank groups: the fused one-slice kernel of decode rows, 4-warp blocks, sm_90)."""
+    (rank groups: the fused one-slice kernel of decode rows at rank tiles 64 and 128, 4-warp
+    blocks in clusters of 8 or 16, sm_90: the instantiations CI compiles)."""
     rmax = _rmax(max_rank)
     if rmax is None:
         raise ValueError(f"max_rank {max_rank} > {_RMAX[-1]}")
@@ -60,7 +61,8 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
     if mode != FUSED or mt != 1 or arch < 90:
         warps = 4  # 8-warp blocks: decode tiles of the fused cluster kernel only
     if groups > 1:
-        if mode != FUSED or mt != 1 or arch < 90 or sliced or warps != 4 or split == 1 or rmax < 16 * groups:
+        if (mode, mt, sliced, warps) != (FUSED, 1, False, 4) or arch < 90 or split not in (8, 16) \
+                or rmax not in _GROUPED or groups not in _FORCEABLE_GROUPS:
             raise ValueError(f"rank groups: not for this call shape (rank tile {rmax}, split {split}, {groups} groups)")
         return f"sgmv_grouped_kernel<{_CTYPE[dtype]}, {rmax}, 1, {split}, {mode}, float, 4, {groups}>", split, 16, 4
     cluster = "cluster_" if split > 1 and mode != EXPAND and arch >= 90 else ""
@@ -79,7 +81,7 @@ def all_kernel_names(arch: int) -> list[str]:
     shapes = [(m, dt, r, t, split, w, sl) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
               for t in (1, _BIG_TILE_TOKENS) for split in (fused_splits if m == FUSED else (SPLIT,))
               for w in _FORCEABLE_WARPS for sl in ((False, True) if m == FUSED else (False,))]
-    grouped = [(FUSED, dt, r, 1, split, 4, False, g) for dt in _CTYPE for r in (64, 128) for split in (8, 16)
+    grouped = [(FUSED, dt, r, 1, split, 4, False, g) for dt in _CTYPE for r in _GROUPED for split in (8, 16)
                for g in _FORCEABLE_GROUPS] if arch >= 90 else []
     return sorted({kernel_name(m, dt, r, t, arch, *rest)[0] for m, dt, r, t, *rest in shapes + grouped})
 

@@ -99,3 +99,22 @@ def test_split_k_through_l2_only_for_grids_the_gpu_holds():
             splits.add(split)
             assert split == 1 or items * split <= min(minb, sgmv_shapes.GX_PER_SM[rows]) * 108, (rows, items, split)
     assert splits == {1, 4, 8, 16}
+
+
+def test_rank_groups_only_for_few_items_and_kernels_ci_compiles():
+    """Rank groups (clusters of an item waiting for each other on sm_90): picked only for grids of
+    at most 4 items at rank tiles 64 (items of 8+ rows on average) and 128, and only as kernels
+    all_kernel_names lists; other shapes asked for are refused, not compiled on the fly."""
+    compiled = set(sgmv.all_kernel_names(90))
+    for max_rank in (16, 32, 64, 100, 128):
+        for items, tokens in ((1, 1), (1, 16), (3, 48), (4, 4), (4, 64), (5, 80), (40, 40)):
+            split, warps, groups = sgmv_shapes.fused_shape(items, 16, max_rank, 90, 132, tokens)
+            grouped = max_rank > 64 and items <= 4 or max_rank > 32 and items <= 4 and tokens >= 8 * items
+            assert (groups > 1) == grouped, (max_rank, items, tokens)
+            assert sgmv.kernel_name(sgmv.FUSED, torch.float16, max_rank, tokens, 90, split, warps, False, groups)[0] \
+                in compiled
+        assert sgmv_shapes.fused_shape(1, 16, max_rank, 80, 108, 16)[2] == 1  # no clusters before sm_90
+        assert sgmv_shapes.fused_shape(1, 16, max_rank, 90, 132, 16, sliced=True)[2] == 1
+    for split, groups, max_rank, tokens in ((4, 2, 128, 1), (16, 2, 32, 1), (8, 3, 64, 1), (16, 4, 128, 256)):
+        with pytest.raises(ValueError, match="rank groups"):
+            sgmv.kernel_name(sgmv.FUSED, torch.float16, max_rank, tokens, 90, split, 4, False, groups)
