@@ -136,20 +136,22 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
     rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch)[2]
     items = nseg + (tokens + rows - 1) // rows - 1  # per slice: kernels/segments.cuh
     total = items * (1 + len(more))
-    shape = fused_shape(total, rows, max_rank, arch, _sm_count(dev.index), tokens, bool(more)) if mode == FUSED \
-        else (SPLIT, 4, 1)
+    shape = fused_shape(total, rows, max_rank, arch, _sm_count(dev.index), tokens * (1 + len(more))) \
+        if mode == FUSED else (SPLIT, 4, 1)
     if groups is None:  # a forced split or warps: in one cluster per item
         groups = shape[2] if split is None and warps is None else 1
+    if rows != 16:
+        groups = 1  # rank groups: decode tiles only
     split = shape[0] if split is None else split
     warps = shape[1] if warps is None else warps
     exchange = mode == FUSED and arch < 90
     if exchange and total * split > GX_PER_SM[rows] * _sm_count(dev.index):
         split = 1  # forced: not past what the GPU holds at once, or peers could wait on unscheduled blocks
     name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps, bool(more), groups)
-    if groups > 1 and items * groups > _clusters_at_once(name, dev.index, split, 32 * warps):
+    if groups > 1 and total * groups > _clusters_at_once(name, dev.index, split, 32 * warps):
         # the clusters of an item wait for each other: never past what the GPU holds at once
         groups = 1
-        name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps)
+        name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps, bool(more))
     xpart, xcount = _exchange_workspace(dev.index) if (exchange and split > 1) or groups > 1 else (None, None)
     args = _Args(
         x=_ptr(x), y=_ptr(y, y_offset), v=_ptr(v), A=_ptr(A), B=_ptr(B),
@@ -237,7 +239,7 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
     return y
 
 
-def add_lora_sliced(y, x, slices, indptr, ranks, scales, *, split=None, warps=None):
+def add_lora_sliced(y, x, slices, indptr, ranks, scales, *, split=None, warps=None, groups=None):
     """add_lora for every slice (A, B, slot_ids, y_offset) of a fused projection, in one launch.
 
     For each slice: y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T
@@ -245,14 +247,16 @@ def add_lora_sliced(y, x, slices, indptr, ranks, scales, *, split=None, warps=No
     slices: 1..MAX_SLICES `ops.lora.LoraSlice`s; A pools alike ([slots, max_rank, h_in]); B pools
     [slots, max_rank, h_out of the slice]; ranks, scales and the segments are shared. One
     launch instead of one per member: one launch gap, one index round trip and one tail
-    (benchmarks/sgmv.py, sliced). Returns y.
+    (benchmarks/sgmv.py, sliced); rank groups, split, warps and groups as in add_lora, over
+    the items of all slices. Returns y.
     """
     if not 1 <= len(slices) <= MAX_SLICES:
         raise ValueError(f"1..{MAX_SLICES} slices, got {len(slices)}")
     first = slices[0]
     if len(slices) == 1 or not x.is_cuda:
         for s in slices:
-            add_lora(y, x, s.A, s.B, indptr, s.slot_ids, ranks, scales, s.y_offset, split=split, warps=warps)
+            add_lora(y, x, s.A, s.B, indptr, s.slot_ids, ranks, scales, s.y_offset, split=split, warps=warps,
+                     groups=groups)
         return y
     for s in slices:
         if s.A.shape != first.A.shape or s.B.shape[:2] != first.B.shape[:2] or s.slot_ids.shape != first.slot_ids.shape:
@@ -260,5 +264,5 @@ def add_lora_sliced(y, x, slices, indptr, ranks, scales, *, split=None, warps=No
         _check(x, s.A, y, None, (indptr, s.slot_ids, ranks, scales), s.y_offset)
         _check(x, s.B, y, None, (), s.y_offset)
     _run(FUSED, x.shape[0], x=x, y=y, A=first.A, B=first.B, indptr=indptr, slot_ids=first.slot_ids, ranks=ranks,
-         scales=scales, y_offset=first.y_offset, split=split, warps=warps, more=tuple(slices[1:]))
+         scales=scales, y_offset=first.y_offset, split=split, warps=warps, groups=groups, more=tuple(slices[1:]))
     return y

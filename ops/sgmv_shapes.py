@@ -28,7 +28,8 @@ _FUSED_SHAPES = {
 # Identical B=16 11.9 -> 10.8 and B=64 (4 items) 12.0 -> 11.5, but one-row items lose (Distinct
 # B=2 10.2 -> 10.7; and Uniform B=16, 4 rows per item, 10.7 -> 11.5): their partials are small, so
 # a cluster exchanges them cheaply. Rank 32 loses everywhere (Identical B=16 10.1 -> 10.9;
-# variants_groups_r32.json, variants_groups_r64.json).
+# variants_groups_r32.json, variants_groups_r64.json). Sliced launches count the items of all
+# slices (gate|up r128 one adapter B=16 24.3 -> 16.4 µs; sgmv_sliced_h200_r64_r128.json).
 _GROUPED = {64: ((4, 8, 4, 8),), 128: ((4, 16, 4, 1),)}
 _FORCEABLE_GROUPS = (2, 4)
 # add_lora before sm_90: split-K over blocks whose partials meet in L2 (kernels/exchange.cuh).
@@ -50,8 +51,8 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
                 warps: int = 4, sliced: bool = False, groups: int = 1):
     """(template instantiation, blocks per item, rows per item, warps per block) for one call shape;
     sliced: the fused kernel over several slices (add_lora_sliced); groups: clusters per item
-    (rank groups: the fused one-slice kernel of decode rows at rank tiles 64 and 128, 4-warp
-    blocks in clusters of 8 or 16, sm_90: the instantiations CI compiles)."""
+    (rank groups: the fused kernels of decode rows at rank tiles 64 and 128, 4-warp blocks in
+    clusters of 8 or 16, sm_90: the instantiations CI compiles)."""
     rmax = _rmax(max_rank)
     if rmax is None:
         raise ValueError(f"max_rank {max_rank} > {_RMAX[-1]}")
@@ -61,10 +62,11 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
     if mode != FUSED or mt != 1 or arch < 90:
         warps = 4  # 8-warp blocks: decode tiles of the fused cluster kernel only
     if groups > 1:
-        if (mode, mt, sliced, warps) != (FUSED, 1, False, 4) or arch < 90 or split not in (8, 16) \
-                or rmax not in _GROUPED or groups not in _FORCEABLE_GROUPS:
+        if (mode, mt, warps) != (FUSED, 1, 4) or arch < 90 or split not in (8, 16) or rmax not in _GROUPED \
+                or groups not in _FORCEABLE_GROUPS:
             raise ValueError(f"rank groups: not for this call shape (rank tile {rmax}, split {split}, {groups} groups)")
-        return f"sgmv_grouped_kernel<{_CTYPE[dtype]}, {rmax}, 1, {split}, {mode}, float, 4, {groups}>", split, 16, 4
+        kind = "sliced_grouped" if sliced else "grouped"
+        return f"sgmv_{kind}_kernel<{_CTYPE[dtype]}, {rmax}, 1, {split}, {mode}, float, 4, {groups}>", split, 16, 4
     cluster = "cluster_" if split > 1 and mode != EXPAND and arch >= 90 else ""
     name = f"sgmv_{'sliced_' if sliced else ''}{cluster}kernel<{_CTYPE[dtype]}, {rmax}, {mt}, {split}, {mode}, float, {warps}>"
     return name, split, 16 * mt, warps
@@ -81,8 +83,8 @@ def all_kernel_names(arch: int) -> list[str]:
     shapes = [(m, dt, r, t, split, w, sl) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
               for t in (1, _BIG_TILE_TOKENS) for split in (fused_splits if m == FUSED else (SPLIT,))
               for w in _FORCEABLE_WARPS for sl in ((False, True) if m == FUSED else (False,))]
-    grouped = [(FUSED, dt, r, 1, split, 4, False, g) for dt in _CTYPE for r in _GROUPED for split in (8, 16)
-               for g in _FORCEABLE_GROUPS] if arch >= 90 else []
+    grouped = [(FUSED, dt, r, 1, split, 4, sl, g) for dt in _CTYPE for r in _GROUPED for split in (8, 16)
+               for g in _FORCEABLE_GROUPS for sl in (False, True)] if arch >= 90 else []
     return sorted({kernel_name(m, dt, r, t, arch, *rest)[0] for m, dt, r, t, *rest in shapes + grouped})
 
 
@@ -93,16 +95,15 @@ def _fused_shapes(rows: int, max_rank: int, arch: int):
     return _FUSED_SHAPES.get((rows, _rmax(max_rank)), _FUSED_SHAPES[rows])
 
 
-def _groupings(rows: int, max_rank: int, arch: int, sliced: bool):
+def _groupings(rows: int, max_rank: int, arch: int):
     """The rank groupings add_lora may pick for this call shape: (groups, split, most items, fewest rows per item)."""
-    return _GROUPED.get(_rmax(max_rank), ()) if arch >= 90 and rows == 16 and not sliced else ()
+    return _GROUPED.get(_rmax(max_rank), ()) if arch >= 90 and rows == 16 else ()
 
 
-def fused_shape(items: int, rows: int, max_rank: int, arch: int, sms: int, tokens: int = 0,
-                sliced: bool = False) -> tuple[int, int, int]:
+def fused_shape(items: int, rows: int, max_rank: int, arch: int, sms: int, tokens: int = 0) -> tuple[int, int, int]:
     """(blocks per item, warps per block, rank groups) of add_lora for a grid of `items` work items
-    of `rows` rows over `tokens` rows."""
-    for g, s, most, min_rows in _groupings(rows, max_rank, arch, sliced):
+    of `rows` rows over `tokens` rows (a sliced grid: the items and the rows of all slices)."""
+    for g, s, most, min_rows in _groupings(rows, max_rank, arch):
         if items <= most and tokens >= min_rows * items:
             return s, 4, g
     return next((s, w, 1) for s, w, per_sm in _fused_shapes(rows, max_rank, arch) if items * s <= per_sm * sms)
@@ -115,6 +116,6 @@ def fused_kernel_names(dtype: torch.dtype, max_rank: int, arch: int) -> list[str
         rows = kernel_name(FUSED, dtype, max_rank, tokens, arch)[2]
         names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, w, sliced)[0]
                   for s, w, _ in _fused_shapes(rows, max_rank, arch) for sliced in (False, True)}
-        names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, 4, False, g)[0]
-                  for g, s, _, _ in _groupings(rows, max_rank, arch, False)}
+        names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, 4, sliced, g)[0]
+                  for g, s, _, _ in _groupings(rows, max_rank, arch) for sliced in (False, True)}
     return sorted(names)

@@ -111,10 +111,10 @@ def test_rank_groups_only_for_few_items_and_kernels_ci_compiles():
             split, warps, groups = sgmv_shapes.fused_shape(items, 16, max_rank, 90, 132, tokens)
             grouped = max_rank > 64 and items <= 4 or max_rank > 32 and items <= 4 and tokens >= 8 * items
             assert (groups > 1) == grouped, (max_rank, items, tokens)
-            assert sgmv.kernel_name(sgmv.FUSED, torch.float16, max_rank, tokens, 90, split, warps, False, groups)[0] \
-                in compiled
+            for sliced in (False, True):
+                name = sgmv.kernel_name(sgmv.FUSED, torch.float16, max_rank, tokens, 90, split, warps, sliced, groups)[0]
+                assert name in compiled
         assert sgmv_shapes.fused_shape(1, 16, max_rank, 80, 108, 16)[2] == 1  # no clusters before sm_90
-        assert sgmv_shapes.fused_shape(1, 16, max_rank, 90, 132, 16, sliced=True)[2] == 1
     for split, groups, max_rank, tokens in ((4, 2, 128, 1), (16, 2, 32, 1), (8, 3, 64, 1), (16, 4, 128, 256)):
         with pytest.raises(ValueError, match="rank groups"):
             sgmv.kernel_name(sgmv.FUSED, torch.float16, max_rank, tokens, 90, split, 4, False, groups)

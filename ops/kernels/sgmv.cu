@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(32 * W, MINB) sgmv_kernel(const SgmvArgs a) {
 // A sliced add-on: the members of a fused projection (q|k|v, gate|up) in one launch, over the
 // same x and segments, each slice with its own pools, slot ids and output columns. The grid's
 // row blockIdx.y is the slice, so `item` stays a function of blockIdx.x (as registers allow).
-template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W, bool GX>
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W, bool GX, int G = 1>
 __device__ __forceinline__ void sliced_body(const SgmvSlices& s) {
   static_assert(MODE == FUSED, "slices: the fused add-on only");
   const SgmvArgs& b = s.base;
@@ -226,7 +226,7 @@ __device__ __forceinline__ void sliced_body(const SgmvSlices& s) {
     a.A = m.A, a.B = m.B, a.slot_ids = m.slot_ids, a.b_slot = m.b_slot, a.h_out = m.h_out;
     a.y = static_cast<T*>(b.y) + m.y_shift;
   }
-  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W, true, GX>(a, blockIdx.x / SPLIT);
+  sgmv_body<T, RMAX, MT, SPLIT, MODE, VT, W, true, GX, G>(a, blockIdx.x / SPLIT / G);
 }
 
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
@@ -251,5 +251,11 @@ __global__ void __launch_bounds__(32 * W, MINB) __cluster_dims__(SPLIT, 1, 1) sg
 template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W>
 __global__ void __launch_bounds__(32 * W, MINB) __cluster_dims__(SPLIT, 1, 1) sgmv_sliced_cluster_kernel(const SgmvSlices s) {
   sliced_body<T, RMAX, MT, SPLIT, MODE, VT, W, false>(s);
+}
+
+template <class T, int RMAX, int MT, int SPLIT, int MODE, class VT, int W, int G>
+__global__ void __launch_bounds__(32 * W, MINB) __cluster_dims__(SPLIT, 1, 1) sgmv_sliced_grouped_kernel(const SgmvSlices s) {
+  static_assert(MODE == FUSED && G > 1 && RMAX % (16 * G) == 0, "rank groups: the fused add-on, 16-column groups");
+  sliced_body<T, RMAX, MT, SPLIT, MODE, VT, W, false, G>(s);
 }
 #endif

@@ -207,16 +207,20 @@ def slice_reference(x, slices, segs, ranks, scales, y0):
     return y, adapted
 
 
-@pytest.mark.parametrize("split", (None, 4, 8, 16, "sm_80"))
+@pytest.mark.parametrize("split", (None, 4, 8, 16, "sm_80", "rank_groups"))
 @pytest.mark.parametrize("h_outs", [(4096, 1024, 1024), (11008, 11008)], ids=("qkv_gqa", "gate_up"))
 def test_sliced_equals_reference_of_every_slice(h_outs, split, monkeypatch):
     """q|k|v or gate|up in one launch: each slice its own pools and slot ids (an adapter may skip
     a member: −1), its own columns of one y; every slice equals its reference, nothing else moves.
-    sm_80: the A100's kernel (no clusters), as in test_sm80_code_path_on_this_device."""
+    sm_80: the A100's kernel (no clusters), as in test_sm80_code_path_on_this_device; rank_groups:
+    4 clusters of 8 per item wherever the GPU holds the grid at once (decode tiles)."""
+    groups = None
     if split == "sm_80":
         monkeypatch.setattr(sgmv, "_arch", lambda index: 80)
         split = None
-    rng = np.random.default_rng(len(h_outs) * 10 + (split or 0))
+    if split == "rank_groups":
+        split, groups = 8, 4
+    rng = np.random.default_rng(len(h_outs) * 10 + (split or 0) + (groups or 0))
     dtype = torch.bfloat16 if split == 8 else torch.float16
     first = make_pool(dtype, 4096, h_outs[0], "mixed", seed=3)
     pools = [first] + [make_pool(dtype, 4096, h, "mixed", seed=4 + k, ranks=first[2]) for k, h in enumerate(h_outs[1:])]
@@ -233,7 +237,7 @@ def test_sliced_equals_reference_of_every_slice(h_outs, split, monkeypatch):
             x = torch.randn(tokens, 4096, device="cuda", dtype=dtype)
             y0 = (torch.randn(tokens, sum(h_outs) + 2 * PAD, device="cuda") * 0.05).to(dtype)
             y_ref, adapted = slice_reference(x, slices, segs, first[2].cpu(), first[3].cpu(), y0)
-            y = sgmv.add_lora_sliced(y0.clone(), x, slices, indptr, first[2], first[3], split=split)
+            y = sgmv.add_lora_sliced(y0.clone(), x, slices, indptr, first[2], first[3], split=split, groups=groups)
             case = f"{h_outs} split={split} {workload} B={batch}"
             for s, rows, h in zip(slices, adapted, h_outs):
                 cols = slice(s.y_offset, s.y_offset + h)
