@@ -46,7 +46,6 @@ _BIG_TILE_TOKENS = 256  # fused, from here on 32-row items: adapters re-read fro
 _CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 
 
-
 def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch: int, split: int = SPLIT,
                 warps: int = 4, sliced: bool = False, groups: int = 1):
     """(template instantiation, blocks per item, rows per item, warps per block) for one call shape;
