@@ -53,6 +53,11 @@ def random_pool(rank, h_in=H, h_out=H):
             torch.randn(POOL, rank, h_out, device="cuda", dtype=torch.float16) / math.sqrt(rank))
 
 
+def floor_bytes(tokens, adapters, rank, h_in, h_out):
+    """The bytes one fp16 add-on must move: x read, y read and written, each adapter's A and B once."""
+    return 2 * (tokens * h_in + 2 * tokens * h_out + adapters * rank * (h_in + h_out))
+
+
 def request_adapters(workload, batch, rng):
     """Adapter index of every request (one row each) under Punica's four popularity laws."""
     if workload == "distinct":
@@ -107,8 +112,7 @@ class Case:
         self.y += torch.bmm(v, self.B[self.row_slots])[:, 0] * self.scales[self.row_slots, None]
 
     def floor_bytes(self):
-        h_in, h_out = self.A.shape[2], self.B.shape[2]
-        return 2 * (self.x.numel() + 2 * self.y.numel() + len(self.slots) * self.rank * (h_in + h_out))
+        return floor_bytes(self.x.shape[0], len(self.slots), self.rank, self.A.shape[2], self.B.shape[2])
 
 
 def rel_err(case, fn):
@@ -157,8 +161,7 @@ def run(out, with_vllm, ranks=RANKS, h_in=H, h_out=H):
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     bw = copy_bandwidth()
     null_us = time_graph(lambda: torch.cuda._sleep(0), flush)
-    reads = ReadFloor(2 * (max(BATCHES) * (max(ranks) + 1) * (h_in + h_out) + max(BATCHES) * h_out), time_graph,
-                      flush)
+    reads = ReadFloor(floor_bytes(max(BATCHES), max(BATCHES), max(ranks), h_in, h_out), time_graph, flush)
     default_shape = (h_in, h_out) == (H, H)
     rows, prefill, sweep, phases = [], [], [], []
     for rank in ranks:
