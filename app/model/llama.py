@@ -15,8 +15,11 @@ from ops.rope import apply_rope, rope_cos_sin
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora_pool=None):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora_pool=None, reduce=None):
+        """reduce(y) → y: sums the o and down outputs over tensor-parallel shards (LoRA add-on
+        included, see app/model/tensor_parallel.py); None on a single GPU."""
         self.cfg = cfg
+        self.reduce = reduce or (lambda y: y)
         self.w = weights
         self.lora_pool = lora_pool
         self.dtype = weights.embed.dtype
@@ -47,11 +50,11 @@ class LlamaModel:
         write_kv(kv[0], kv[1], k, v.view(-1, c.num_kv_heads, c.head_dim), inp.slot_mapping)
         out = torch.empty_like(q)
         paged_attention(out, q, kv[0], kv[1], inp.attention, self.scale)
-        return self._project(i, "o", out.view(-1, q_dim), inp.lora)
+        return self.reduce(self._project(i, "o", out.view(-1, q_dim), inp.lora))
 
     def _mlp(self, i, x, lora):
         gate, up = self._project(i, "gate_up", x, lora).chunk(2, dim=-1)
-        return self._project(i, "down", F.silu(gate) * up, lora)
+        return self.reduce(self._project(i, "down", F.silu(gate) * up, lora))
 
     def _project(self, i: int, fused: str, x: torch.Tensor, lora: LoraSegments | None):
         """x @ W_fused.T plus each member module's LoRA add-on, written into its column slice."""
