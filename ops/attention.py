@@ -1,7 +1,7 @@
 """Attention over a paged KV cache.
 
 The engine builds one ``AttentionGroup`` per kind of sequence (prefill, decode)
-once per step; every layer reuses it. A group pads its sequences to a common
+once per step (on CUDA a `PagedBatch` instead: ops/paged_attention.py); every layer reuses it. A group pads its sequences to a common
 query / context length, gathers their KV blocks through the block tables and
 runs one masked SDPA call — prefill and decode are kept apart so a long prompt
 does not pad every decode row.
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import paged_attention as paged
 
 # On CUDA, SDPA would pick cuDNN for a float mask, and cuDNN builds a new graph for
 # every new context length (measured on the H200: 1.3 ms of host time per decode call,
@@ -47,8 +49,12 @@ def paged_attention(out, q, k_cache, v_cache, groups, scale):
 
     out: [tokens, heads, head_dim] written in place; q: [tokens, heads, head_dim];
     caches: [blocks, block_size, kv_heads, head_dim] (already holding this step's KV).
-    Grouped-query attention: heads is a multiple of kv_heads.
+    Grouped-query attention: heads is a multiple of kv_heads. ``groups``: AttentionGroups (the
+    gather + SDPA path: CPU, and CUDA shapes the paged kernels lack), or a `PagedBatch`
+    (CUDA: `ops.paged_attention`).
     """
+    if isinstance(groups, paged.PagedBatch):
+        return paged.forward(out, q, k_cache, v_cache, groups, scale)
     q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row `tokens` = padding
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])

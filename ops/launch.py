@@ -15,12 +15,12 @@ _SUCCESS = driver.CUresult.CUDA_SUCCESS
 
 
 def launch(func: driver.CUfunction, grid: int, block: int, args: ctypes.Structure, device: torch.device,
-           smem: int = 0, grid_y: int = 1):
-    """Run `func` on a grid of `grid` x `grid_y` blocks of `block` threads with `args` (and
+           smem: int = 0, grid_y: int = 1, grid_z: int = 1):
+    """Run `func` on a grid of `grid` x `grid_y` x `grid_z` blocks of `block` threads with `args` (and
     `smem` bytes of dynamic shared memory per block) on the current stream of `device`."""
     params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
     stream = torch.cuda.current_stream(device).cuda_stream
-    (err,) = driver.cuLaunchKernel(func, grid, grid_y, 1, block, 1, 1, smem, stream, ctypes.addressof(params), 0)
+    (err,) = driver.cuLaunchKernel(func, grid, grid_y, grid_z, block, 1, 1, smem, stream, ctypes.addressof(params), 0)
     if err != _SUCCESS:
         raise RuntimeError(f"cuLaunchKernel: {driver.cuGetErrorString(err)[1].decode()}")
 

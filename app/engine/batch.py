@@ -45,9 +45,11 @@ def _segments(order: list[tuple[Sequence, int]], pool) -> LoraSegments | None:
         bounds.append(bounds[-1] + n)
     per_module, host = {}, {}
     for m, has in pool.has_module.items():
-        per_module[m] = torch.where((slots >= 0) & has[slots.clamp(min=0).long()], slots, -1).to(torch.int32)
-        host[m] = tuple((bounds[i], bounds[i + 1], s, pool.slot_rank[s], pool.slot_scale[s])
-                        for i, s in enumerate(per_module[m].tolist()) if s >= 0)
+        ids = torch.where((slots >= 0) & has[slots.clamp(min=0).long()], slots, -1).to(torch.int32)
+        segs = tuple((bounds[i], bounds[i + 1], s, pool.slot_rank[s], pool.slot_scale[s])
+                     for i, s in enumerate(ids.tolist()) if s >= 0)
+        if segs:  # modules no adapter of this step has are left out
+            per_module[m], host[m] = ids, segs
     return LoraSegments(torch.tensor(bounds, dtype=torch.int32), per_module, host)
 
 def build_step(scheduled: list[tuple[Sequence, int]], pool, block_size: int, device) -> tuple[StepInputs, list[Sequence]]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ops.attention import AttentionGroup
+from ops.paged_attention import PagedBatch
 
 
 @dataclass(frozen=True)
@@ -13,8 +14,8 @@ class LoraSegments:
     """Token rows cut into runs of one adapter; per module, the slot each run uses (−1: none)."""
 
     indptr: torch.Tensor  # [segments + 1] int32
-    slot_ids: dict[str, torch.Tensor]  # module -> [segments] int32
-    host: dict[str, tuple]  # module -> ((lo, hi, slot, rank, scale), ...) of segments that use it
+    slot_ids: dict[str, torch.Tensor]  # module -> [segments] int32; modules no run uses may be absent
+    host: dict[str, tuple] | None  # module -> ((lo, hi, slot, rank, scale), ...); None on CUDA (unused)
 
     def to(self, device) -> "LoraSegments":
         slot_ids = {m: t.to(device, non_blocking=True) for m, t in self.slot_ids.items()}
@@ -25,7 +26,7 @@ class LoraSegments:
 class StepInputs:
     token_ids: torch.Tensor  # [tokens] int64
     positions: torch.Tensor  # [tokens] int64
-    slot_mapping: torch.Tensor  # [tokens] int64 flat KV slot each token writes
-    attention: tuple[AttentionGroup, ...]
+    slot_mapping: torch.Tensor  # [tokens] int64 (int32 with a PagedBatch) flat KV slot each token writes
+    attention: tuple[AttentionGroup, ...] | PagedBatch
     sample_rows: torch.Tensor  # [n] token rows whose logits are sampled
     lora: LoraSegments | None  # None: no token in this step uses an adapter

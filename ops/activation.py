@@ -1,0 +1,13 @@
+"""SwiGLU (CUDA fp16/bf16: one kernel, `ops.small_ops`)."""
+import torch
+import torch.nn.functional as F
+
+from . import small_ops
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up]: [tokens, 2 * inter] → [tokens, inter]."""
+    if small_ops.usable(gate_up):
+        return small_ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

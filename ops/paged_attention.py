@@ -1,0 +1,168 @@
+"""Attention over the paged KV cache on CUDA, without a padded copy of the KV.
+
+Decode rows (one query each): `paged_decode`, our NVRTC kernel (kernels/attention.cu): a block
+per (sequence, KV head, split) reads each K/V row once for the whole GQA group through the
+block table; its grid depends on the batch shape only, so a CUDA graph serves any context
+lengths. Prefill rows (a request's new tokens, causal over its whole context): the context's
+KV gathered into one varlen buffer, then one FlashAttention-2 varlen call (torch's, bottom-right
+causal), all prefill requests in one launch each. Prompts are read once per step there while
+every decode step re-reads the whole context, so the gather costs a decode step's KV bytes
+once per prefill step: CUDA C++ is spent where the bytes are.
+
+Layouts: caches [blocks, block_size, kv_heads, D] fp16/bf16; q, out [tokens, heads, D];
+block tables int32 [seqs, >= max blocks]; lengths int32. Nothing here reads device memory on
+the host or synchronizes.
+"""
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+PART = 512  # tokens per partition (kPart in kernels/attention.cu)
+HEAD_DIMS = (64, 128)
+GROUPS = (1, 2, 4, 8)  # query heads per KV head
+_CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+
+
+class _DecodeArgs(ctypes.Structure):
+    """Mirror of `DecodeArgs` in kernels/attention.cu."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in ("q", "out", "k_cache", "v_cache", "block_tables", "context_lens",
+                                                "part_acc", "part_ml")]
+    _fields_ += [(n, ctypes.c_longlong) for n in ("q_stride", "out_stride")]
+    _fields_ += [(n, ctypes.c_int) for n in ("table_stride", "heads", "kv_heads", "block_size", "splits")]
+    _fields_ += [("scale", ctypes.c_float)]
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """Rows first .. first + n of the step, one query each (graphs pad n with length-0 rows)."""
+
+    first: int
+    block_tables: torch.Tensor  # [n, max_blocks] int32
+    context_lens: torch.Tensor  # [n] int32, this step's token included
+    splits: int  # grid.z: see decode_splits
+
+
+@dataclass(frozen=True)
+class PrefillRows:
+    """Rows 0 .. tokens of the step: requests' new tokens, each causal over its whole context."""
+
+    tokens: int
+    cu_q: torch.Tensor  # [requests + 1] int32 query row offsets
+    cu_k: torch.Tensor  # [requests + 1] int32 offsets into kv_index
+    kv_index: torch.Tensor  # [sum of contexts] int64 flat cache slot of each context token
+    max_q: int
+    max_k: int
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    prefill: PrefillRows | None
+    decode: DecodeRows | None
+
+
+def supported(dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> bool:
+    return dtype in _CTYPE and head_dim in HEAD_DIMS and heads % kv_heads == 0 and heads // kv_heads in GROUPS
+
+
+def kernel_names(dtype: torch.dtype, head_dim: int, group: int) -> tuple[str, str]:
+    c = _CTYPE[dtype]
+    return f"paged_decode_kernel<{c}, {head_dim}, {group}>", f"paged_decode_reduce<{c}, {head_dim}>"
+
+
+def all_kernel_names() -> list[str]:
+    """Every instantiation the wrapper can launch (CI compiles them for sm_80 and sm_90)."""
+    return sorted({n for dt in _CTYPE for d in HEAD_DIMS for g in GROUPS for n in kernel_names(dt, d, g)})
+
+
+@functools.cache
+def _sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(seqs: int, kv_heads: int, device) -> int:
+    """Splits per (sequence, KV head): enough blocks for ~4 per SM, at most 8; a function of the
+    batch shape only (a captured graph keeps its grid)."""
+    index = torch.device(device).index or 0
+    return max(1, min(8, -(-4 * _sms(index) // (seqs * kv_heads))))
+
+
+def _function(name: str, device: torch.device):
+    from . import nvrtc  # not at import: CPU-only processes never load NVRTC
+
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return nvrtc.load_function("attention.cu", name, index)
+
+
+def paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale: float, splits: int):
+    """out[s, h] = softmax(q[s, h] · K[s]ᵀ · scale) · V[s] over the first context_lens[s] tokens
+    of sequence s's blocks, K/V head h // (heads / kv_heads); a row of length 0 gets zeros.
+
+    out: [seqs, heads, D] written in place (row stride free, unit elsewhere); q: [seqs, heads, D]
+    alike; caches: [blocks, block_size, kv_heads, D] contiguous, q's dtype (fp16/bf16), D 64 or
+    128; block_tables: [seqs, >= blocks used] int32 (row stride free); context_lens: [seqs] int32.
+    splits > 1: per-split partials (fp32 scratch, allocated here) merged by a second launch.
+    """
+    seqs, heads, d = q.shape
+    kv_heads = k_cache.shape[2]
+    if not supported(q.dtype, d, heads, kv_heads) or k_cache.dtype != q.dtype or not k_cache.is_contiguous():
+        raise ValueError(f"paged_decode: unsupported {q.dtype}, head_dim {d}, heads {heads}/{kv_heads}")
+    if q.stride(2) != 1 or q.stride(1) != d or out.stride(2) != 1 or out.stride(1) != d:
+        raise ValueError("q and out: heads contiguous within a row")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or block_tables.stride(1) != 1:
+        raise TypeError("block_tables and context_lens must be int32, table rows unit-stride")
+    if seqs == 0:
+        return out
+    part_acc = part_ml = None
+    if splits > 1:
+        part_acc = torch.empty(seqs * heads * splits * d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(seqs * heads * splits * 2, dtype=torch.float32, device=q.device)
+    args = _DecodeArgs(
+        q=q.data_ptr(), out=out.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
+        block_tables=block_tables.data_ptr(), context_lens=context_lens.data_ptr(),
+        part_acc=None if part_acc is None else part_acc.data_ptr(),
+        part_ml=None if part_ml is None else part_ml.data_ptr(),
+        q_stride=q.stride(0), out_stride=out.stride(0), table_stride=block_tables.stride(0), heads=heads,
+        kv_heads=kv_heads, block_size=k_cache.shape[1], splits=splits, scale=scale,
+    )
+    main, reduce = kernel_names(q.dtype, d, heads // kv_heads)
+    from .launch import launch
+
+    launch(_function(main, q.device), seqs, 128, args, q.device, grid_y=kv_heads, grid_z=splits)
+    if splits > 1:
+        launch(_function(reduce, q.device), seqs, d, args, q.device, grid_y=heads)
+    return out
+
+
+def prefill_varlen(out, q, k_cache, v_cache, rows: PrefillRows, scale: float):
+    """out[t] = causal softmax attention of q[t] over its request's context (the context's last
+    tokens are the request's rows, bottom-right aligned), for t < rows.tokens.
+
+    out, q: [tokens, heads, D]; caches already hold this step's KV.
+    """
+    k = k_cache.view(-1, *k_cache.shape[2:])[rows.kv_index]  # [sum of contexts, kv_heads, D]
+    v = v_cache.view(-1, *v_cache.shape[2:])[rows.kv_index]
+    o = torch.ops.aten._flash_attention_forward(q[: rows.tokens], k, v, rows.cu_q, rows.cu_k, rows.max_q,
+                                                rows.max_k, 0.0, True, False, scale=scale)[0]
+    out[: rows.tokens] = o
+    return out
+
+
+def warm_up(dtype: torch.dtype, head_dim: int, group: int, device) -> None:
+    """Compile (or read from the disk cache) and load the decode kernels now."""
+    for name in kernel_names(dtype, head_dim, group):
+        _function(name, torch.device(device))
+
+
+def forward(out, q, k_cache, v_cache, batch: PagedBatch, scale: float):
+    """Both parts of a step (prefill rows first, then decode rows) into out."""
+    if batch.prefill is not None:
+        prefill_varlen(out, q, k_cache, v_cache, batch.prefill, scale)
+    if batch.decode is not None:
+        dec = batch.decode
+        n = dec.context_lens.shape[0]
+        paged_decode(out[dec.first : dec.first + n], q[dec.first : dec.first + n], k_cache, v_cache,
+                     dec.block_tables, dec.context_lens, scale, dec.splits)
+    return out
