@@ -16,3 +16,4 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    tensor_parallel_size: int = 1  # GPUs (shard workers) one replica's model spans

@@ -11,6 +11,7 @@ from app.engine.core import EngineCore
 from app.model.config import ModelConfig
 from app.model.default import default_model_dir
 from app.model.llama import LlamaModel
+from app.model.tensor_parallel import shard_config
 from app.model.weights import load_weights
 
 
@@ -29,14 +30,21 @@ def build_engine(model_path: str | Path | None = None, config: EngineConfig = En
 
     path = Path(model_path) if model_path else default_model_dir()
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
-    weights = load_weights(path, cfg, config.dtype, config.device)
     store = store or AdapterStore(cfg.shape, StoreConfig(max_rank=config.max_lora_rank, host=HostCacheConfig(dtype=config.dtype)))
+    tp = config.tensor_parallel_size
+    shape = cfg.shape if tp == 1 else shard_config(cfg, tp).shape  # a GPU's slots hold adapter shards
     slots = config.max_loras if config.lora_memory_bytes is None else \
-        slots_for_budget(cfg.shape, config.max_lora_rank, config.dtype, config.lora_memory_bytes)
+        slots_for_budget(shape, config.max_lora_rank, config.dtype, config.lora_memory_bytes)
     pool_config = PoolConfig(slots, config.max_lora_rank, config.dtype, config.device)
-    pool = LoraPool(cfg.shape, pool_config, on_load=lambda nbytes, s: store.metrics.load("gpu", nbytes, s))
+    on_load = lambda nbytes, s: store.metrics.load("gpu", nbytes, s)  # noqa: E731
+    if tp > 1:  # one shard worker per GPU, driven from here (app/engine/tp_workers.py)
+        from app.engine.tp_workers import build_tp_model
+
+        model = build_tp_model(path, config, pool_config, on_load)
+    else:
+        model = LlamaModel(cfg, load_weights(path, cfg, config.dtype, config.device), LoraPool(cfg.shape, pool_config, on_load))
     for name, uri in (adapters or {}).items():
         store.register(name, uri)
         store.get(name)
     tok = load_tokenizer(path) if tokenizer == "auto" else tokenizer
-    return EngineCore(LlamaModel(cfg, weights, pool), store, tok, config)
+    return EngineCore(model, store, tok, config)
