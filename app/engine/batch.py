@@ -7,6 +7,7 @@ import torch
 from app.engine.sequence import Sequence
 from app.model.inputs import LoraSegments, StepInputs
 from ops.attention import AttentionGroup
+from ops.paged_attention import DecodeRows, PagedBatch, PrefillRows, decode_splits
 
 
 def _attention_group(rows: list[tuple[Sequence, int, int]], block_size: int, num_tokens: int) -> AttentionGroup:
@@ -79,6 +80,52 @@ def build_step(scheduled: list[tuple[Sequence, int]], pool, block_size: int, dev
         slot_mapping=to(torch.tensor(slot_mapping)),
         attention=tuple(g.to(device) for g in attention),
         sample_rows=to(torch.tensor(sample_rows, dtype=torch.long)),
+        lora=lora if lora is None else lora.to(device),
+    )
+    return inputs, sampled
+
+
+def build_paged_step(scheduled: list[tuple[Sequence, int]], pool, block_size: int, device, kv_heads: int
+                     ) -> tuple[StepInputs, list[Sequence]]:
+    """build_step for CUDA: a PagedBatch instead of padded AttentionGroups (block tables and
+    lengths for the decode rows, varlen offsets for the prefill rows) and int32 index tensors."""
+    by_adapter = lambda item: item[0].lora_slot  # noqa: E731
+    prefill = sorted([x for x in scheduled if x[1] > 1], key=by_adapter)
+    decode = sorted([x for x in scheduled if x[1] == 1], key=by_adapter)
+    order = prefill + decode
+    token_ids, positions, slot_mapping, sample_rows, sampled = [], [], [], [], []
+    cu_q, cu_k, kv_index = [0], [0], []
+    for seq, n in order:
+        row, start = len(token_ids), seq.num_computed
+        token_ids += seq.token_ids()[start : start + n]
+        positions += range(start, start + n)
+        table = seq.block_table
+        slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        if n > 1:
+            kv_index += [table[p // block_size] * block_size + p % block_size for p in range(start + n)]
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + start + n)
+        if start + n == seq.num_tokens:
+            sample_rows.append(row + n - 1)
+            sampled.append(seq)
+    to = lambda values, dtype=torch.int32: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
+    pre = PrefillRows(cu_q[-1], to(cu_q), to(cu_k), to(kv_index, torch.long),
+                      max(n for _, n in prefill), max(s.num_computed + n for s, n in prefill)) if prefill else None
+    dec = None
+    if decode:
+        width = max(len(s.block_table) for s, _ in decode)
+        tables = torch.zeros(len(decode), width, dtype=torch.int32)
+        for i, (s, _) in enumerate(decode):
+            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        dec = DecodeRows(len(token_ids) - len(decode), tables.to(device, non_blocking=True),
+                         to([s.num_computed + 1 for s, _ in decode]), decode_splits(len(decode), kv_heads, device))
+    lora = _segments(order, pool) if pool is not None else None
+    inputs = StepInputs(
+        token_ids=to(token_ids),
+        positions=to(positions),
+        slot_mapping=to(slot_mapping),
+        attention=PagedBatch(pre, dec),
+        sample_rows=to(sample_rows, torch.long),
         lora=lora if lora is None else lora.to(device),
     )
     return inputs, sampled

@@ -16,4 +16,5 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start-up (False: eager, for debugging)
     tensor_parallel_size: int = 1  # GPUs (shard workers) one replica's model spans

@@ -4,10 +4,10 @@ from __future__ import annotations
 import itertools
 import random
 
-from app.engine.batch import build_step
 from app.engine.config import EngineConfig
 from app.engine.detokenizer import Detokenizer
 from app.engine.kv_cache import BlockAllocator, allocate_kv
+from app.engine.runner import ModelRunner
 from app.engine.sampler import sample
 from app.engine.scheduler import Scheduler, blocks_for
 from app.engine.sequence import Sequence
@@ -30,6 +30,7 @@ class EngineCore:
         if model.lora_pool is not None:  # a first-use kernel compile would stall a step mid-serving
             pool = model.lora_pool.config
             prepare_lora_kernels(pool.dtype, pool.max_rank, pool.device)
+        self.runner = ModelRunner(model, self.kv, config, self.max_model_len)
         self._arrivals = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.steps = 0
@@ -85,8 +86,7 @@ class EngineCore:
         self.idle = not plan.scheduled  # nothing runnable: only waiting for adapter copies or KV
         out: list[Chunk] = [self._migrate(seq) for seq in plan.preempted]
         if plan.scheduled:
-            inputs, sampled = build_step(plan.scheduled, self.model.lora_pool, self.config.block_size, self.config.device)
-            logits = self.model.forward(inputs, self.kv)
+            logits, sampled = self.runner.run(plan.scheduled)
             for seq, n in plan.scheduled:
                 seq.num_computed += n
                 self.tokens_computed += n

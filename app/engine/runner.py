@@ -1,0 +1,41 @@
+"""The model runner: a schedule in, logits out. It picks how the step runs: on CUDA with
+shapes the paged kernels serve, a PagedBatch step, and for steps of decode rows only a
+replay of the CUDA graph of the batch's bucket (EngineConfig.cuda_graphs); else the
+AttentionGroup step of the CPU path. The model itself knows none of this."""
+from __future__ import annotations
+
+import torch
+
+from app.engine.batch import build_paged_step, build_step
+from app.engine.config import EngineConfig
+from app.engine.cuda_graphs import DecodeGraphs
+from app.engine.scheduler import blocks_for
+from app.engine.sequence import Sequence
+from ops import paged_attention, small_ops
+
+
+class ModelRunner:
+    def __init__(self, model, kv, config: EngineConfig, max_model_len: int):
+        self.model, self.kv, self.config = model, kv, config
+        c = model.cfg
+        cuda = torch.device(config.device).type == "cuda" and config.tensor_parallel_size == 1
+        self.paged = cuda and paged_attention.supported(model.dtype, c.head_dim, c.num_heads, c.num_kv_heads)
+        if self.paged:  # a first-use compile would stall a step mid-serving
+            small_ops.warm_up(model.dtype, config.device)
+            paged_attention.warm_up(model.dtype, c.head_dim, c.num_heads // c.num_kv_heads, config.device)
+        self.graphs = DecodeGraphs(model, kv, config.max_num_seqs,
+                                   min(blocks_for(max_model_len, config.block_size), config.num_kv_blocks),
+                                   config.block_size, config.device) if self.paged and config.cuda_graphs else None
+
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Logits [n, vocab] (fp32) and the n sequences whose next token they give, in row order."""
+        if self.graphs is not None and len(scheduled) <= self.graphs.max_batch and \
+                all(n == 1 and s.num_uncomputed == 1 for s, n in scheduled):
+            order = sorted((s for s, _ in scheduled), key=lambda s: s.lora_slot)
+            return self.graphs.run(order), order
+        pool, bs, dev = self.model.lora_pool, self.config.block_size, self.config.device
+        if self.paged:
+            inputs, sampled = build_paged_step(scheduled, pool, bs, dev, self.model.cfg.num_kv_heads)
+        else:
+            inputs, sampled = build_step(scheduled, pool, bs, dev)
+        return self.model.forward(inputs, self.kv), sampled
