@@ -14,6 +14,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.engine.config import EngineConfig
+from app.tp_serve import tensor_parallel_options
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,11 +66,14 @@ class AppArgs(_Strict):
     lora_memory_gb: float | None = Field(None, gt=0)  # GPU memory for adapter slots: overrides max_loras
     max_lora_rank: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1)  # GPUs one replica's model is sharded over
     adapter_dirs: list[str] = []
     replica: DeploymentArgs = DeploymentArgs()
     ingress: DeploymentArgs = DeploymentArgs()
     api_keys: list[ApiKeyArgs] = []
     admin_key: str | None = Field(None, min_length=8)
+    max_body_bytes: int = Field(4 * 2**20, ge=1024)  # a larger request body is refused with a 413
+    registry_path: str | None = Field(None, min_length=1)  # local file or s3://bucket/key: runtime registrations persist
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class Settings:
     admin_key: str | None
     replica_options: dict
     ingress_options: dict
+    max_body_bytes: int = 4 * 2**20
+    registry_path: str | None = None
 
 
 def _describe(error: ValidationError) -> str:
@@ -119,7 +125,7 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         max_num_seqs=a.max_batch_size, max_tokens_per_step=a.max_tokens_per_step, num_kv_blocks=a.num_kv_blocks,
         block_size=a.block_size, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank, dtype=_DTYPES[a.dtype],
         lora_memory_bytes=None if a.lora_memory_gb is None else int(a.lora_memory_gb * 2**30),
-        device=a.device, max_model_len=a.max_model_len,
+        device=a.device, max_model_len=a.max_model_len, tensor_parallel_size=a.tensor_parallel_size,
     )
     name = a.model_name or (Path(a.model).name if a.model else default_model_name)
     keys = tuple(ApiKey(k.key, frozenset(k.adapters) if k.adapters is not None else None) for k in a.api_keys)
@@ -127,6 +133,8 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         model=a.model, model_name=name, engine=engine, adapter_dirs=_adapter_dirs(a.adapter_dirs), api_keys=keys,
         admin_key=a.admin_key,
         # The engine batches many requests: Serve's default of 5 in flight per replica would starve it.
-        replica_options=a.replica.options(num_replicas=1, max_ongoing_requests=4 * a.max_batch_size),
+        replica_options=tensor_parallel_options(a.replica.options(num_replicas=1, max_ongoing_requests=4 * a.max_batch_size),
+                                                a.tensor_parallel_size, a.device),
         ingress_options=a.ingress.options(num_replicas=1, max_ongoing_requests=1024),
+        max_body_bytes=a.max_body_bytes, registry_path=a.registry_path,
     )

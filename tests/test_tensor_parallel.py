@@ -1,8 +1,12 @@
 """Tensor parallelism on the CPU: sharding round-trips exactly, and a TP-2 engine (two
 processes over gloo) generates what the single-process engine does, token for token, for
-batches mixing several adapters (LoRA on all seven projections) and base rows."""
+batches mixing several adapters (LoRA on all seven projections) and base rows; under
+Ray Serve a TP-2 replica is one replica (one placement group of two bundles) whose
+answers equal the single-process engine's."""
 import dataclasses
 import random
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -107,3 +111,60 @@ def test_tp2_over_gloo_equals_single_process_engine(tiny_model_dir, adapters):
         assert got[rid] == expected[rid], f"{rid} ({adapter}): TP-2 differs from the single-process engine"
     changed = sum(adapter is not None and expected[rid] != base[rid] for _, rid, adapter, _, _ in jobs)
     assert changed >= 8, "the random adapters barely change the output: the test would not catch a dropped shard"
+
+
+def _word_tokenizer(out):
+    """A word-level tokenizer over the tiny model's 320 ids ("t0" … "t319"): the app needs one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(320)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(out)
+
+
+def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, tmp_path):
+    import ray
+    from openai import OpenAI
+    from ray import serve
+
+    from app.builder import build_app
+    from app.config import parse_args
+    from tests.app_fixtures import APP, config_args, replica_stats, serving
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "tiny-tp")
+    _word_tokenizer(model)
+    single = dict(model=str(model), model_name="tiny", dtype="float32", device="cpu", max_lora_rank=16, max_loras=3, num_kv_blocks=96,
+                  block_size=8, adapter_dirs=[str(next(iter(adapters.values())).parent)], api_keys=[], admin_key=None,
+                  replica={"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
+                  ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}})
+    args = config_args(**single, tensor_parallel_size=2)
+    settings = parse_args(args, "tiny")
+    assert settings.replica_options["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 1}]
+    reference = build_engine(model, parse_args(config_args(**single), "tiny").engine, {k: str(v) for k, v in adapters.items()})
+    jobs = [(rid, adapter, prompt, n) for _, rid, adapter, prompt, n in _jobs()[:7]]
+    expected = {}
+    for rid, adapter, prompt, n in jobs:
+        reference.add(GenerateRequest(rid, tuple(prompt), SamplingParams(max_tokens=n, temperature=0.0), adapter))
+        expected[rid] = ""
+    while reference.has_work():
+        for chunk in reference.step():
+            expected[chunk.request_id] += chunk.text
+
+    with serving({APP: (build_app(args), "/")}, num_cpus=3) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def complete(job):
+            rid, adapter, prompt, n = job
+            return client.completions.create(model=adapter or "tiny", prompt=prompt, max_tokens=n, temperature=0.0)
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            answers = list(pool.map(complete, jobs))
+        status = serve.status().applications[APP].deployments["LoraReplica"]
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        stats = replica_stats()
+    for (rid, adapter, _, _), answer in zip(jobs, answers):
+        assert answer.choices[0].text == expected[rid], f"{rid} ({adapter})"
+    assert status.replica_states == {"RUNNING": 1}
+    assert [(len(g["bundles"]), g["strategy"]) for g in groups] == [(2, "STRICT_PACK")]
+    assert stats["max_batch_seen"] >= 2, "the requests did not share a batch"

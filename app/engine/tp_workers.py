@@ -82,7 +82,7 @@ def _shard_model(rank: int, spec: WorkerSpec, device: torch.device, data, make_p
 
 def worker_main(rank: int, spec: WorkerSpec, device: str) -> None:
     """Rank ≥ 1: build the shard, then run rank 0's messages until it says stop."""
-    device = torch.device(device)
+    device = _indexed(device)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.config.tensor_parallel_size))
     control, data = _join(rank, spec, device)
@@ -206,6 +206,12 @@ class _RayWorker:
         worker_main(rank, spec, device)
 
 
+def _indexed(name: str) -> torch.device:
+    """The device with an index (bare "cuda" → the current one): NCCL and set_device want it."""
+    device = torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+
+
 def _rendezvous(host: str) -> str:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -220,7 +226,7 @@ def build_tp_model(path: Path, config: EngineConfig, pool_config: PoolConfig, on
     host = _node_ip() if pg is not None else "127.0.0.1"
     spec = WorkerSpec(str(path), _rendezvous(host), config, pool_config, timeout_s)
     workers = RayWorkers(spec, pg) if pg is not None else LocalWorkers(spec)
-    device = torch.device(workers.device)
+    device = _indexed(workers.device)
     control, data = _join(0, spec, device)
     world = config.tensor_parallel_size
     local = _shard_model(0, spec, device, data, lambda shape, pc: ShardedLoraPool(shape, pc, world, on_load))
