@@ -79,7 +79,11 @@ class LoraPool:
             slot = self._take_slot()
             if slot is None:
                 return None
-            self._load(slot, weights)
+            try:
+                self._load(slot, weights)
+            except Exception:  # the slot stays free for the next adapter; the caller fails this one
+                self._free.append(slot)
+                raise
             self._slot_of[key] = slot
         self._slot_of.move_to_end(key)
         self._refs[key] = self._refs.get(key, 0) + 1
@@ -89,6 +93,11 @@ class LoraPool:
         self._refs[key] -= 1
         if self._refs[key] == 0:
             del self._refs[key]
+            slot = self._slot_of[key]
+            copy = self._pending.get(slot, (None,))[0]
+            if copy is not None and copy.done() and copy.exception() is not None:  # a failed copy: unmap it
+                del self._pending[slot], self._slot_of[key]
+                self._free.append(slot)
 
     def pinned(self) -> int:
         return len(self._refs)

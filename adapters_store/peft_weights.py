@@ -81,7 +81,11 @@ def _check_pair(where: tuple[int, str], pair: dict, rank: int, shape: ModelShape
         )
     if not (a.is_floating_point() and b.is_floating_point()):
         raise InvalidAdapterError(f"layer {where[0]} {where[1]}: weights must be floating point")
-    return a.float(), b.float()
+    a, b = a.float(), b.float()
+    for ab, t in (("A", a), ("B", b)):
+        if not bool(torch.isfinite(t).all()):  # would turn every output of the adapter into NaN
+            raise InvalidAdapterError(f"layer {where[0]} {where[1]}: lora_{ab} holds NaN or Inf values")
+    return a, b
 
 
 def parse_weights(name: str, manifest: AdapterManifest, blob: bytes, shape: ModelShape) -> LoraWeights:

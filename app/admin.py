@@ -10,17 +10,33 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from adapters_store.paths import NAME
 from app.errors import AdapterNotFoundError, InvalidAdapterError, InvalidRequestError
+from app.http_errors import loraplex_cause
 from app.registry import AdapterSpec
+
+
+_MAX_PATH, _MAX_PART = 4096, 255  # Linux's PATH_MAX and NAME_MAX: longer fails in the OS (ENAMETOOLONG)
 
 
 class RegisterAdapter(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     name: str = Field(pattern=NAME.pattern)
-    path: str = Field(min_length=1)  # a PEFT directory on the replicas' machines, or s3://bucket/prefix/
+    path: str = Field(min_length=1, max_length=_MAX_PATH)  # a PEFT directory on the replicas' machines, or s3://bucket/prefix/
 
 
 def spec_json(spec: AdapterSpec) -> dict:
-    return {"name": spec.name, "path": spec.path}
+    return {"name": spec.name, "path": spec.path, "version": spec.version}
+
+
+def _check_path(path: str) -> str:
+    """The adapter's location as the replicas read it; InvalidAdapterError for one they cannot."""
+    if path.startswith("s3://"):
+        return path
+    if "\0" in path or any(len(part.encode()) > _MAX_PART for part in path.split("/")):
+        raise InvalidAdapterError(f"adapter path has a component longer than {_MAX_PART} bytes or a NUL byte")
+    uri = str(Path(path).expanduser())
+    if not Path(uri).is_absolute():  # replicas run elsewhere
+        raise InvalidAdapterError(f"adapter path must be absolute (or s3://), got {path!r}")
+    return uri
 
 
 class AdapterAdmin:
@@ -36,15 +52,19 @@ class AdapterAdmin:
     async def register(self, body: RegisterAdapter) -> dict:
         if body.name == self.base_name:
             raise InvalidRequestError(f"{body.name!r} is the base model's name")
-        uri = body.path if body.path.startswith("s3://") else str(Path(body.path).expanduser())
-        if not (uri.startswith("s3://") or Path(uri).is_absolute()):  # replicas run elsewhere
-            raise InvalidAdapterError(f"adapter path must be absolute (or s3://), got {body.path!r}")
+        uri = _check_path(body.path)
         try:
             version = await self.replica.load_adapter.remote(body.name, uri)  # InvalidAdapterError if bad
-        except AdapterNotFoundError as exc:  # nothing at that path: a bad request here, not a 404
-            raise InvalidAdapterError(str(exc)) from None
-        spec = await self.registry.put.remote(body.name, uri)
-        return {**spec_json(spec), "version": version}
+        except Exception as exc:  # a RayTaskError: its str() is the replica's traceback, never shown
+            cause = loraplex_cause(exc)
+            if cause is None and isinstance(getattr(exc, "cause", None), OSError):  # unreadable, not a bug
+                raise InvalidAdapterError(f"cannot read an adapter at {body.path!r}: {exc.cause.strerror}") from None
+            if cause is None:
+                raise
+            if isinstance(cause, AdapterNotFoundError):  # nothing at that path: a bad request here, not a 404
+                raise InvalidAdapterError(str(cause)) from None
+            raise cause from None
+        return spec_json(await self.registry.put.remote(body.name, uri, version))
 
     async def unregister(self, name: str) -> dict:
         if not await self.registry.remove.remote(name):

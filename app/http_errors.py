@@ -25,20 +25,51 @@ def error_response(message: str, status: int, code: str | None = None, param: st
     return JSONResponse(error_body(message, status, code, param), status_code=status)
 
 
-async def parse_body(request: Request, model: type[BaseModel]):
+class BodyTooLargeError(LoraplexError):
+    status = 413
+    code = "request_too_large"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused (413) once it passes ``limit`` bytes: by its Content-Length
+    before anything is read, else while it streams in."""
+    declared = request.headers.get("content-length", "")
+    too_large = BodyTooLargeError(f"the request body exceeds the limit of {limit} bytes")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(body: bytes, model: type[BaseModel]):
     """The JSON body as `model`; malformed JSON, a non-object, wrong types → 400."""
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False, include_context=True)) from None
 
 
+async def parse_body(request: Request, model: type[BaseModel], limit: int = 1 << 20):
+    return parse_json(await read_body(request, limit), model)
+
+
 def loraplex_cause(exc: BaseException) -> LoraplexError | None:
-    """The LoraplexError behind exc, also when it crossed a Ray call (RayTaskError wraps it)."""
+    """The LoraplexError behind exc, also when it crossed a Ray call. Ray re-raises a remote
+    error as a RayTaskError that is *also* an instance of the original class but whose str()
+    is the remote traceback: the original (its ``cause``) is what the client is told."""
     while exc is not None:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException) and cause is not exc:  # RayTaskError (possibly dual-class)
+            exc = cause
+            continue
         if isinstance(exc, LoraplexError):
             return exc
-        exc = getattr(exc, "cause", None) or exc.__cause__
+        exc = exc.__cause__
     return None
 
 
@@ -60,6 +91,7 @@ def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
 
 
 def _loraplex_error(_: Request, exc: LoraplexError) -> JSONResponse:
+    exc = loraplex_cause(exc) or exc
     return error_response(str(exc), exc.status, exc.code)
 
 

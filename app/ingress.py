@@ -1,13 +1,19 @@
 """The HTTP front door: an OpenAI-compatible API on FastAPI, as a Serve ingress.
 
-Per request: authenticate, validate the body, resolve `model` (the base model's
-name, or an adapter the caller may use), apply the chat template, tokenize, and
-stream the LoraReplica's chunks back (SSE) or collect them.
+Per request: authenticate, read the body (at most `max_body_bytes`), validate it,
+resolve `model` (the base model's name, or an adapter the caller may use), apply the
+chat template, tokenize, and stream the LoraReplica's chunks back (SSE) or collect
+them. Parsing, templating and tokenizing run on a small thread pool (the tokenizer
+releases the GIL), so one large prompt never stalls the event loop's other requests.
 """
 # No `from __future__ import annotations` here: Serve's class-based FastAPI views need the
 # real `Request` annotation, not a string, to inject the request.
+import asyncio
+import copy
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -31,6 +37,8 @@ api = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA servin
 http_errors.install(api)
 
 _LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_PREPARE_THREADS = 4  # bodies parsed and tokenized at once; the rest queue without blocking the loop
+_READY_TIMEOUT_S = 5.0  # /health: a replica that cannot answer a stats call this fast is not serving
 
 
 def _load_model_files(model: str | None):
@@ -50,6 +58,9 @@ class Ingress:
         self.context_limit = min(settings.engine.max_model_len or model_len, kv_tokens)
         self.auth = Auth(settings.api_keys, settings.admin_key)
         self.generate_on_replica = replica.options(stream=True).generate
+        self.replica = replica
+        self._prepare_pool = ThreadPoolExecutor(_PREPARE_THREADS, thread_name_prefix="prepare")
+        self._local = threading.local()  # one tokenizer per pool thread: HF tokenizers are not re-entrant
         self.registry = registry
         self.admin = AdapterAdmin(settings.model_name, replica, registry)
         self.started = int(time.time())
@@ -58,20 +69,37 @@ class Ingress:
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         caller = self._caller(request)  # before the body: no key → 401 whatever was sent
-        body = await http_errors.parse_body(request, CompletionRequest)
-        prompt = body.prompt
-        ids = list(prompt) if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
+        body, ids = await self._prepare(request, self._completion_input)
         return await self._generate(body, caller, ids, chat=False, logprobs=body.logprobs)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         caller = self._caller(request)
-        body = await http_errors.parse_body(request, ChatCompletionRequest)
-        if not self.tokenizer.chat_template:
-            raise InvalidRequestError("this model has no chat template: use /v1/completions")
-        text = self.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        body, ids = await self._prepare(request, self._chat_input)
         return await self._generate(body, caller, ids, chat=True, logprobs=body.engine_logprobs)
+
+    async def _prepare(self, request: Request, build):
+        raw = await http_errors.read_body(request, self.settings.max_body_bytes)
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, build, raw)
+
+    def _thread_tokenizer(self):
+        if not hasattr(self._local, "tokenizer"):
+            self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        return self._local.tokenizer
+
+    def _completion_input(self, raw: bytes):
+        """On a pool thread: (body, prompt token ids)."""
+        body = http_errors.parse_json(raw, CompletionRequest)
+        prompt = body.prompt
+        return body, list(prompt) if isinstance(prompt, list) else self._thread_tokenizer()(prompt)["input_ids"]
+
+    def _chat_input(self, raw: bytes):
+        body = http_errors.parse_json(raw, ChatCompletionRequest)
+        tok = self._thread_tokenizer()
+        if not tok.chat_template:
+            raise InvalidRequestError("this model has no chat template: use /v1/completions")
+        text = tok.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
+        return body, tok(text, add_special_tokens=False)["input_ids"]
 
     async def _generate(self, body, caller: Caller, ids: list[int], chat: bool, logprobs: int | None):
         adapter, epoch = await self._resolve(body.model, caller)
@@ -99,6 +127,13 @@ class Ingress:
     # -- discovery --------------------------------------------------------------------
     @api.get("/health")
     async def health(self):
+        """200 once a LoraReplica answers (the ingress alone being up serves nothing), else 503."""
+        response = self.replica.stats.remote()
+        try:
+            await asyncio.wait_for(asyncio.shield(response), _READY_TIMEOUT_S)
+        except Exception:  # still starting, or none alive: either way not ready
+            response.cancel()
+            return http_errors.error_response("no replica is ready to serve yet", 503, "not_ready")
         return {"status": "ok"}
 
     @api.get("/v1/models")
@@ -108,6 +143,14 @@ class Ingress:
         base = self.settings.model_name
         cards = [self._card(base, None)] + [self._card(s.name, base) for s in specs if caller.may_use(s.name)]
         return {"object": "list", "data": cards}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request):
+        caller = self._caller(request)
+        if model_id == self.settings.model_name:
+            return self._card(model_id, None)
+        spec, _ = await self._resolve(model_id, caller)
+        return self._card(spec.name, self.settings.model_name)
 
     def _card(self, name: str, parent: str | None) -> dict:
         return {"id": name, "object": "model", "created": self.started, "owned_by": "loraplex",
@@ -122,7 +165,7 @@ class Ingress:
     @api.post("/v1/adapters")
     async def register_adapter(self, request: Request):
         self.auth.admin(request.headers.get("authorization"))
-        return await self.admin.register(await http_errors.parse_body(request, RegisterAdapter))
+        return await self.admin.register(await http_errors.parse_body(request, RegisterAdapter, self.settings.max_body_bytes))
 
     @api.delete("/v1/adapters/{name}")
     async def unregister_adapter(self, name: str, request: Request):

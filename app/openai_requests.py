@@ -15,6 +15,9 @@ from app.errors import ContextLengthError
 from app.protocol import SamplingParams
 
 _INT64 = 2**63 - 1
+# Every stop string is checked against the text after each token: bounded so one request's
+# stop list cannot make every decode step slow (OpenAI itself takes 4; vLLM has no cap).
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
 class _Body(BaseModel):
@@ -71,6 +74,10 @@ class _Sampling(_Body):
         stops = [value] if isinstance(value, str) else value or []
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may be at most {MAX_STOP_CHARS} characters")
         return value
 
     @model_validator(mode="after")

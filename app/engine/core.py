@@ -8,11 +8,11 @@ from app.engine.config import EngineConfig
 from app.engine.detokenizer import Detokenizer
 from app.engine.kv_cache import BlockAllocator, allocate_kv
 from app.engine.runner import ModelRunner
-from app.engine.sampler import sample
+from app.engine.sampler import SampleError, sample
 from app.engine.scheduler import Scheduler, blocks_for
 from app.engine.sequence import Sequence
 from app.errors import ContextLengthError, InvalidRequestError
-from app.protocol import Chunk, GenerateRequest, Migrate, TokenChunk
+from app.protocol import Chunk, ErrorChunk, GenerateRequest, Migrate, TokenChunk
 from ops.lora import prepare as prepare_lora_kernels
 
 
@@ -85,13 +85,15 @@ class EngineCore:
         plan = self.scheduler.schedule()
         self.idle = not plan.scheduled  # nothing runnable: only waiting for adapter copies or KV
         out: list[Chunk] = [self._migrate(seq) for seq in plan.preempted]
+        out += [self._fail(seq, message) for seq, message in plan.failed]
         if plan.scheduled:
             logits, sampled = self.runner.run(plan.scheduled)
             for seq, n in plan.scheduled:
                 seq.num_computed += n
                 self.tokens_computed += n
             tokens, logprobs = sample(logits, sampled, self.model.cfg.eos_token_ids)
-            out += [self._postprocess(s, t, lp) for s, t, lp in zip(sampled, tokens, logprobs)]
+            out += [self._fail(s, str(t)) if isinstance(t, SampleError) else self._postprocess(s, t, lp)
+                    for s, t, lp in zip(sampled, tokens, logprobs)]
             self.steps += 1
             self.max_batch_seen = max(self.max_batch_seen, len(plan.scheduled))
         return out
@@ -116,11 +118,16 @@ class EngineCore:
         del self._seqs[seq.request_id]
         return Migrate(seq.request_id, seq.prompt_ids, tuple(seq.output_ids), seq.seed, "kv_cache_exhausted")
 
+    def _fail(self, seq: Sequence, message: str) -> ErrorChunk:
+        """End one request for a reason of its own (its sampling, its adapter); the rest carry on."""
+        self._drop(seq)
+        return ErrorChunk(seq.request_id, message, 500)
+
     def _drop(self, seq: Sequence) -> None:
         del self._seqs[seq.request_id]
         if seq in self.scheduler.running:
             self.scheduler.running.remove(seq)
-        else:
+        elif seq in self.scheduler.waiting:
             self.scheduler.waiting.remove(seq)
         self.scheduler.free(seq)
 

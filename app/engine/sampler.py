@@ -3,6 +3,15 @@
 Seeded sampling draws from a generator seeded by (seed, absolute position of the
 token), so a request resumed after a migration samples exactly what it would
 have sampled uninterrupted.
+
+Every value the API accepts is safe here (temperature and top_p down to the
+smallest positive float, top_k beyond the vocabulary): rows are shifted by their
+maximum before the division by the temperature, in float64, so the best token
+sits at 0 and the others at ≤ 0 (−inf once exp would underflow anyway): a tiny
+temperature becomes greedy by arithmetic, never inf/inf = nan. Rejecting tiny
+values instead would refuse requests OpenAI accepts. A row that still holds a
+non-finite logit (an adapter that drives the model out of range) fails its own
+request (``SampleError``), never the batch.
 """
 from __future__ import annotations
 
@@ -11,6 +20,10 @@ import torch
 from app.engine.sequence import Sequence
 
 _MASK64 = (1 << 63) - 1
+
+
+class SampleError(Exception):
+    """One request cannot be sampled; its message is what its client is told."""
 
 
 def _suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> None:
@@ -24,7 +37,8 @@ def _suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[i
 
 def _draw(row: torch.Tensor, seq: Sequence) -> int:
     p = seq.params
-    row = row / p.temperature
+    row = row.double()
+    row = (row - row.max()) / p.temperature  # ≤ 0, the best token(s) exactly 0
     if p.top_k:
         kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -33,6 +47,7 @@ def _draw(row: torch.Tensor, seq: Sequence) -> int:
         sorted_p, idx = probs.sort(descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
+        drop[0] = False
         probs = probs.scatter(0, idx[drop], 0.0)
     gen = torch.Generator(device=row.device).manual_seed(hash((seq.seed, seq.num_tokens)) & _MASK64)
     return int(torch.multinomial(probs, 1, generator=gen))
@@ -47,14 +62,29 @@ def _logprobs(logprobs_row: torch.Tensor, token: int, n: int) -> dict:
     }
 
 
+def _nonfinite(seq: Sequence) -> SampleError:
+    source = f"adapter {seq.request.adapter!r}" if seq.request.adapter else "the base model"
+    return SampleError(f"{source} produced non-finite logits for this request; generation stopped")
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]):
-    """logits: [n, vocab] fp32, one row per sequence → (tokens, logprob dicts or None)."""
+    """logits: [n, vocab] fp32, one row per sequence → (tokens, logprob dicts or None),
+    each list holding a SampleError instead for a request that could not be sampled."""
     raw = logits
+    finite = torch.isfinite(raw).all(dim=-1).tolist()
     logits = logits.clone()
     _suppress_stops(logits, seqs, eos_ids)
     greedy = logits.argmax(dim=-1).tolist()
-    tokens = [greedy[i] if s.params.greedy else _draw(logits[i], s) for i, s in enumerate(seqs)]
-    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    tokens: list[int | SampleError] = []
+    for i, s in enumerate(seqs):
+        if not finite[i]:
+            tokens.append(_nonfinite(s))
+            continue
+        try:
+            tokens.append(greedy[i] if s.params.greedy else _draw(logits[i], s))
+        except RuntimeError as exc:  # torch's own checks (e.g. multinomial's): this request's alone
+            tokens.append(SampleError(f"sampling failed for this request: {exc}"))
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and isinstance(tokens[i], int)]
     info: list[dict | None] = [None] * len(seqs)
     if want:
         lp = torch.log_softmax(raw[want], dim=-1).cpu()

@@ -14,6 +14,7 @@ from app.engine.sequence import Sequence
 class Schedule:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # (sequence, why): its adapter would not load
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -78,7 +79,13 @@ class Scheduler:
             if blocks_for(seq.num_tokens + 1, self.config.block_size) > self.allocator.num_free:
                 self.waiting.appendleft(seq)
                 break
-            if not self._adapter_ready(seq):
+            try:
+                ready = self._adapter_ready(seq)
+            except Exception as exc:  # this request's adapter alone: the others are admitted as usual
+                self.free(seq)
+                out.failed.append((seq, f"adapter {seq.adapter.name!r} could not be loaded: {exc}"))
+                continue
+            if not ready:
                 skipped.append(seq)
                 continue
             n = min(seq.num_uncomputed, budget)
