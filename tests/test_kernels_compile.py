@@ -118,3 +118,21 @@ def test_rank_groups_only_for_few_items_and_kernels_ci_compiles():
     for split, groups, max_rank, tokens in ((4, 2, 128, 1), (16, 2, 32, 1), (8, 3, 64, 1), (16, 4, 128, 256)):
         with pytest.raises(ValueError, match="rank groups"):
             sgmv.kernel_name(sgmv.FUSED, torch.float16, max_rank, tokens, 90, split, 4, False, groups)
+
+
+def _engine_op_reports(arch):
+    from ops import paged_attention, small_ops
+
+    jobs = [("attention.cu", n) for n in paged_attention.all_kernel_names()]
+    jobs += [("small_ops.cu", n) for n in small_ops.all_kernel_names()]
+    return [(src, name, nvrtc.resource_report(src, name, arch)) for src, name in jobs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attention_and_small_op_kernels_compile(arch):
+    """The paged decode attention kernels and the fused small ops, every instantiation the
+    wrappers launch, for sm_80 and sm_90."""
+    reports = _isolated(_engine_op_reports, arch)
+    assert len(reports) == 20 + 10
+    for src, name, log in reports:
+        assert re.search(r"Used \d+ registers", log), f"sm_{arch} {src} {name}:\n{log}"

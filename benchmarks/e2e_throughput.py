@@ -1,0 +1,328 @@
+"""Punica Fig. 11 on one GPU: end-to-end generation throughput of the engine by workload.
+
+On the device:  python benchmarks/e2e_throughput.py --out benchmarks/results/e2e_throughput_h200.json
+Anywhere:       python benchmarks/e2e_throughput.py --plot-only
+
+Llama-2-7B shape, random fp16 weights; rank-16 adapters on all seven projections (8 distinct
+random weight sets, shared by adapter names beyond 8: every name is its own pool slot and
+copy, the values do not change the work); N requests queued at once, prompt 128 random
+tokens, 128 new (greedy, no stop); max batch 32 and 64; workloads backbone (no adapter),
+identical (one adapter), uniform (⌈√N⌉ adapters, equal shares), skewed (Zipf 1.5 over N
+adapters), distinct (N adapters). tok_s = generated tokens / wall time from queueing to
+the last token, adapter copies, prefill and decode all inside.
+
+Peers in the same run: HF transformers `generate` backbone-only on one batch of max_batch
+requests (same lengths), and HF + PEFT with `adapter_names` on a mixed batch of 8 adapters
+(fewer new tokens: it is much slower). Roofline: for every step the engine ran, the bytes
+a decode step must read (weights, each sequence's KV, that step's distinct adapters) over
+the copy bandwidth measured here, plus prefill FLOPs (2·params per token + attention) over
+the fp16 matmul rate measured here. A torch profile of full-batch decode steps gives the
+step-time breakdown (attention / GEMMs / LoRA / other).
+"""
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.method import copy_bandwidth, save_figure  # noqa: E402
+
+WORKLOADS = ("backbone", "identical", "uniform", "skewed", "distinct")
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SHAPE = dict(vocab=32000, hidden=4096, inter=11008, layers=32, heads=32, kv_heads=32, head_dim=128)
+
+
+def model_config():
+    from app.model.config import ModelConfig
+
+    d = SHAPE["head_dim"]
+    return ModelConfig(SHAPE["vocab"], SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"], SHAPE["heads"],
+                       SHAPE["kv_heads"], d, 1e-5, False, 4096,
+                       1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 1.0, ())
+
+
+def random_weights(cfg, dtype=torch.float16):
+    from app.model.weights import LayerWeights, ModelWeights
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rnd = lambda *s: (torch.randn(*s, device="cuda", generator=g) * 0.02).to(dtype)  # noqa: E731
+    ones = lambda: (1 + 0.1 * torch.randn(cfg.hidden_size, device="cuda", generator=g)).to(dtype)  # noqa: E731
+    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    layers = [LayerWeights(ones(), ones(), {"qkv": rnd(h + 2 * kv, h), "o": rnd(h, h), "gate_up": rnd(2 * i, h),
+                                            "down": rnd(h, i)}) for _ in range(cfg.num_layers)]
+    return ModelWeights(rnd(cfg.vocab_size, h), rnd(cfg.vocab_size, h), ones(), layers)
+
+
+def adapters(cfg, names: int, rank=16, distinct=8):
+    """`names` LoraWeights: `distinct` random weight sets packed once (pinned fp16), then named."""
+    from adapters_store.host_cache import pack
+    from adapters_store.manifest import AdapterManifest
+    from adapters_store.peft_weights import LoraWeights
+
+    g = torch.Generator().manual_seed(1)
+    sets = []
+    for k in range(min(distinct, names)):
+        tensors = {(layer, m): (torch.randn(rank, d_in, generator=g) * 0.01, torch.randn(d_out, rank, generator=g) * 0.01)
+                   for layer in range(cfg.num_layers) for m, (d_in, d_out) in cfg.module_dims.items()}
+        w = LoraWeights(f"w{k}", "1", AdapterManifest(rank, 2.0 * rank, False, MODULES), tensors)
+        sets.append(pack(w, pin=torch.cuda.is_available(), dtype=torch.float16))
+    return [dataclasses.replace(sets[k % len(sets)], name=f"a{k}") for k in range(names)]
+
+
+def assignment(workload: str, n: int, rng: random.Random) -> list[int | None]:
+    """Adapter index of each request (None: the base model)."""
+    if workload == "backbone":
+        return [None] * n
+    if workload == "identical":
+        return [0] * n
+    if workload == "uniform":
+        k = math.ceil(math.sqrt(n))
+        out = [i % k for i in range(n)]
+        rng.shuffle(out)
+        return out
+    if workload == "distinct":
+        return list(range(n))
+    weights = [1 / (i + 1) ** 1.5 for i in range(n)]  # skewed: Zipf 1.5
+    return rng.choices(range(n), weights, k=n)
+
+
+class StepLog:
+    """What each runner call computed, for the roofline: decode rows' contexts and adapters, prefill tokens."""
+
+    def __init__(self, runner):
+        self.steps, self._run = [], runner.run
+        runner.run = self.run
+
+    def run(self, scheduled):
+        decode = [(s.num_computed + 1, s.lora_slot) for s, n in scheduled if n == 1]
+        prefill = [(s.num_computed, n) for s, n in scheduled if n > 1]
+        self.steps.append((decode, prefill))
+        return self._run(scheduled)
+
+
+def roofline_seconds(steps, cfg, bandwidth, flops_rate, adapter_bytes):
+    d, layers = cfg.head_dim, cfg.num_layers
+    params = sum(SHAPE_PARAMS(cfg).values()) - cfg.vocab_size * cfg.hidden_size  # the embedding is a gather
+    weight_bytes = 2 * params
+    kv_token = 2 * layers * cfg.num_kv_heads * d * 2  # K and V, fp16
+    t = 0.0
+    for decode, prefill in steps:
+        if decode:
+            distinct = len({slot for _, slot in decode if slot >= 0})
+            t += (weight_bytes + kv_token * sum(c for c, _ in decode) + distinct * adapter_bytes) / bandwidth
+        for done, n in prefill:
+            attn = 4 * layers * cfg.num_heads * d * n * (done + n / 2)
+            t += (2 * params * n + attn) / flops_rate
+    return t
+
+
+def SHAPE_PARAMS(cfg):  # noqa: N802
+    h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    layer = h * (h + 2 * kv) + h * h + 3 * h * i
+    return {"embed": cfg.vocab_size * h, "lm_head": cfg.vocab_size * h, "layers": cfg.num_layers * layer}
+
+
+def matmul_rate():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 20 * 2 * 8192**3 / (time.perf_counter() - start)
+
+
+def engine_for(model, max_batch, num_requests):
+    from app.engine.config import EngineConfig
+    from app.engine.core import EngineCore
+
+    cfg = EngineConfig(max_num_seqs=max_batch, max_tokens_per_step=2048, num_kv_blocks=max_batch * 20 + 64,
+                       max_loras=max_batch, max_lora_rank=16, dtype=torch.float16, device="cuda", max_model_len=4096)
+    start = time.perf_counter()
+    engine = EngineCore(model, None, None, cfg)
+    return engine, time.perf_counter() - start
+
+
+def run_workload(engine, pool_adapters, workload, n, prompt, new, rng):
+    from app.protocol import GenerateRequest, SamplingParams
+
+    log = StepLog(engine.runner)
+    which = assignment(workload, n, rng)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i, a in enumerate(which):
+        req = GenerateRequest(f"{workload}{i}", tuple(rng.randrange(32000) for _ in range(prompt)),
+                              SamplingParams(max_tokens=new, temperature=0.0), None if a is None else f"a{a}")
+        engine.add(req, adapter=None if a is None else pool_adapters[a])
+    generated = 0
+    while engine.has_work():
+        generated += sum(len(c.token_ids) for c in engine.step() if hasattr(c, "token_ids"))
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    engine.runner.run = log._run
+    return generated, wall, log.steps
+
+
+def profile_breakdown(engine, pool_adapters, workload, batch, rng):
+    """Per-category GPU time of full-batch decode steps (kernel names from a torch profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from app.protocol import GenerateRequest, SamplingParams
+
+    which = assignment(workload, batch, rng)
+    for i, a in enumerate(which):
+        req = GenerateRequest(f"p{workload}{i}", tuple(rng.randrange(32000) for _ in range(128)),
+                              SamplingParams(max_tokens=40, temperature=0.0), None if a is None else f"a{a}")
+        engine.add(req, adapter=None if a is None else pool_adapters[a])
+    for _ in range(12):  # prefill and first decode steps out of the way
+        engine.step()
+    torch.cuda.synchronize()
+    steps = 10
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    while engine.has_work():
+        engine.step()
+    cats = {"attention": 0.0, "gemm": 0.0, "lora": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        us = e.self_device_time_total
+        if us == 0 or e.device_type.name != "CUDA":
+            continue
+        name = e.key.lower()
+        cat = "attention" if "paged_decode" in name or "flash" in name else "lora" if "sgmv" in name else \
+            "gemm" if any(k in name for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")) else "other"
+        cats[cat] += us / 1e3 / steps
+    return {"workload": workload, "max_batch": batch, "step_wall_ms": 1e3 * wall, **{f"{k}_ms": v for k, v in cats.items()}}
+
+
+def hf_peers(cfg, batch, prompt, new, peft_new):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                     num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                     num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=4096, eos_token_id=None,
+                     pad_token_id=0, tie_word_embeddings=False)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(hc).to(torch.float16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
+    rows = []
+
+    def gen(m, n_new, **kw):
+        m.generate(ids[:, :8], max_new_tokens=2, min_new_tokens=2, do_sample=False, **kw)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = m.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, **kw)
+        torch.cuda.synchronize()
+        return (out.shape[1] - prompt) * batch / (time.perf_counter() - start)
+
+    with torch.no_grad():
+        rows.append(("hf", "backbone", gen(model, new)))
+        lcfg = LoraConfig(r=16, lora_alpha=32, target_modules=list(MODULES), init_lora_weights=False, task_type="CAUSAL_LM")
+        peft = get_peft_model(model, lcfg, adapter_name="p0")
+        for k in range(1, 8):
+            peft.add_adapter(f"p{k}", lcfg)
+        peft = peft.to(torch.float16)
+        names = [f"p{i % 8}" for i in range(batch)]
+        rows.append(("hf_peft", "uniform8", gen(peft, peft_new, adapter_names=names)))
+    del model, peft
+    torch.cuda.empty_cache()
+    return rows
+
+
+def plot(data, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["max_batch"] for r in data["rows"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        ours = [r for r in data["rows"] if r["system"] == "loraplex" and r["max_batch"] == b]
+        x = np.arange(len(ours))
+        ax.bar(x - 0.2, [r["tok_s"] for r in ours], 0.4, label="loraplex")
+        ax.bar(x + 0.2, [r["roofline_tok_s"] for r in ours], 0.4, label="roofline", alpha=0.5)
+        for r in data["rows"]:
+            if r["system"] != "loraplex" and r["max_batch"] == b:
+                ax.axhline(r["tok_s"], ls="--", color="gray" if r["system"] == "hf" else "red",
+                           label=f"{r['system']} {r['workload']}")
+        ax.set(xticks=x, title=f"max batch {b}", ylabel="tokens / s")
+        ax.set_xticklabels([r["workload"] for r in ours])
+        ax.legend(fontsize=7)
+    save_figure(fig, f"Llama-2-7B shape fp16, rank 16, {data['requests']} requests, prompt 128 / 128 new, "
+                     f"{data['device']}", png)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results" / "e2e_throughput_h200.json")
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--batches", default="32,64")
+    ap.add_argument("--plot-only", action="store_true")
+    args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return
+    from adapters_store.gpu_pool import LoraPool, PoolConfig
+    from app.model.llama import LlamaModel
+
+    bw, rate = copy_bandwidth(), matmul_rate()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, fp16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    cfg = model_config()
+    weights = random_weights(cfg)
+    names = adapters(cfg, args.requests)
+    adapter_bytes = 2 * 16 * sum(i + o for i, o in cfg.module_dims.values()) * cfg.num_layers
+    rows, breakdown, capture = [], [], {}
+    for batch in map(int, args.batches.split(",")):
+        pool = LoraPool(cfg.shape, PoolConfig(batch, 16, torch.float16, "cuda"))
+        model = LlamaModel(cfg, weights, pool)
+        engine, startup = engine_for(model, batch, args.requests)
+        capture[batch] = {"engine_start_s": startup, "graph_capture_s": engine.runner.graphs.capture_seconds}
+        print(f"max batch {batch}: engine start {startup:.1f} s (graphs {capture[batch]['graph_capture_s']:.1f} s)")
+        for workload in WORKLOADS:
+            rng = random.Random(f"{workload}{batch}")
+            generated, wall, steps = run_workload(engine, names, workload, args.requests, 128, 128, rng)
+            roof = generated / roofline_seconds(steps, cfg, bw, rate, adapter_bytes)
+            rows.append(dict(system="loraplex", workload=workload, max_batch=batch, tok_s=generated / wall,
+                             roofline_tok_s=roof, steps=len(steps), wall_s=wall))
+            print(f"  {workload:9s} {generated / wall:8.0f} tok/s  roofline {roof:8.0f}  ({100 * generated / wall / roof:.0f} %)"
+                  f"  {len(steps)} steps {wall:.2f} s", flush=True)
+        for workload in ("backbone", "distinct"):
+            breakdown.append(profile_breakdown(engine, names, workload, batch, random.Random(5)))
+            print("  profile", breakdown[-1], flush=True)
+        del engine, model, pool
+        torch.cuda.empty_cache()
+    del weights
+    torch.cuda.empty_cache()
+    for batch in map(int, args.batches.split(",")):
+        for system, workload, tok_s in hf_peers(cfg, batch, 128, 128, 16):
+            rows.append(dict(system=system, workload=workload, max_batch=batch, tok_s=tok_s, roofline_tok_s=None))
+            print(f"  {system:8s} {workload:9s} batch {batch}: {tok_s:8.0f} tok/s", flush=True)
+    data = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), requests=args.requests,
+                copy_bandwidth_Bps=bw, matmul_flops=rate, startup=capture, breakdown=breakdown, rows=rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(data, indent=1))
+    plot(data, args.out.with_suffix(".png"))
+    print(f"\n{'system':9s} {'workload':10s} {'batch':>5s} {'tok/s':>8s} {'roofline':>9s}")
+    for r in rows:
+        roof = f"{r['roofline_tok_s']:9.0f}" if r["roofline_tok_s"] else f"{'':9s}"
+        print(f"{r['system']:9s} {r['workload']:10s} {r['max_batch']:5d} {r['tok_s']:8.0f} {roof}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The CUDA attention path and small ops against fp32 torch references: paged decode over random
+block tables (lengths 1..4096, GQA 1/4/8, head dims 64/128, fp16/bf16), varlen prefill with
+earlier context, RMSNorm(+residual), SwiGLU, RoPE + KV write."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ops import paged_attention as pa
+from ops import small_ops
+from ops.norms import rms_norm
+from ops.rope import apply_rope
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float16, torch.bfloat16]
+BS = 16
+
+
+def _cache(blocks, kv_heads, d, dtype, gen):
+    k = torch.randn(blocks, BS, kv_heads, d, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(blocks, BS, kv_heads, d, device="cuda", generator=gen).to(dtype)
+    return k, v
+
+
+def _tables(lens, blocks, gen):
+    width = max(-(-n // BS) for n in lens)
+    perm = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
+    need = sum(-(-n // BS) for n in lens)
+    assert need <= blocks
+    tables, at = torch.zeros(len(lens), width, dtype=torch.int32, device="cuda"), 0
+    for i, n in enumerate(lens):
+        m = -(-n // BS)
+        tables[i, :m] = perm[at : at + m]
+        at += m
+    return tables
+
+
+def _ref_decode(q, k, v, tables, lens, scale):
+    """fp32: each sequence's context gathered, softmax attention of its one query per head."""
+    heads, kv_heads = q.shape[1], k.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for i, n in enumerate(lens):
+        if n == 0:
+            continue
+        idx = torch.arange(n, device=q.device)
+        rows = tables[i, idx // BS].long() * BS + idx % BS
+        kk = k.view(-1, kv_heads, k.shape[-1])[rows].float().repeat_interleave(heads // kv_heads, 1)
+        vv = v.view(-1, kv_heads, v.shape[-1])[rows].float().repeat_interleave(heads // kv_heads, 1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i].float(), kk) * scale, dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", w, vv)
+    return out
+
+
+def _rel(a, b):
+    return float((a.float() - b).norm() / b.norm().clamp(min=1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_paged_decode_matches_fp32(dtype, d, group):
+    gen = torch.Generator(device="cuda").manual_seed(100 * d + group)
+    kv_heads = 2 if group == 8 else 4
+    heads = kv_heads * group
+    lens = [1, 2, 15, 16, 17, 255, 511, 512, 513, 1000, 2048, 4096, 0, 3000]
+    blocks = sum(-(-n // BS) for n in lens) + 7
+    k, v = _cache(blocks, kv_heads, d, dtype, gen)
+    tables = _tables([max(n, 1) for n in lens], blocks, gen)
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lens), heads, d, device="cuda", generator=gen).to(dtype)
+    ref = _ref_decode(q, k, v, tables, lens, d**-0.5)
+    for splits in (1, 3, pa.decode_splits(len(lens), kv_heads, "cuda")):
+        out = torch.full_like(q, float("nan"))
+        pa.paged_decode(out, q, k, v, tables, ctx, d**-0.5, splits)
+        assert not out.isnan().any(), splits
+        assert _rel(out, ref) < (5e-3 if dtype == torch.float16 else 2e-2), (splits, _rel(out, ref))
+        assert out[lens.index(0)].abs().max() == 0  # a padding row gives zeros
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_prefill_varlen_causal_over_earlier_context(dtype):
+    """Requests with and without earlier context (chunked prefill): each new query sees its
+    request's earlier tokens and its own prefix."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    heads, kv_heads, d = 8, 2, 128
+    reqs = [(0, 37), (20, 50), (300, 128), (0, 2)]  # (tokens already cached, new tokens)
+    blocks = sum(-(-(a + n) // BS) for a, n in reqs) + 3
+    k, v = _cache(blocks, kv_heads, d, dtype, gen)
+    tables = _tables([a + n for a, n in reqs], blocks, gen)
+    q = torch.randn(sum(n for _, n in reqs), heads, d, device="cuda", generator=gen).to(dtype)
+    cu_q, cu_k, kv_index = [0], [0], []
+    for i, (a, n) in enumerate(reqs):
+        idx = torch.arange(a + n, device="cuda")
+        kv_index.append(tables[i, idx // BS].long() * BS + idx % BS)
+        cu_q.append(cu_q[-1] + n)
+        cu_k.append(cu_k[-1] + a + n)
+    t32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    rows = pa.PrefillRows(cu_q[-1], t32(cu_q), t32(cu_k), torch.cat(kv_index), max(n for _, n in reqs),
+                          max(a + n for a, n in reqs))
+    out = torch.full_like(q, float("nan"))
+    pa.prefill_varlen(out, q, k, v, rows, d**-0.5)
+    for i, (a, n) in enumerate(reqs):
+        kk = k.view(-1, kv_heads, d)[kv_index[i]].float().repeat_interleave(4, 1).transpose(0, 1)
+        vv = v.view(-1, kv_heads, d)[kv_index[i]].float().repeat_interleave(4, 1).transpose(0, 1)
+        qq = q[cu_q[i] : cu_q[i + 1]].float().transpose(0, 1)
+        mask = torch.arange(a + n, device="cuda")[None, :] <= (a + torch.arange(n, device="cuda"))[:, None]
+        ref = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=d**-0.5).transpose(0, 1)
+        assert _rel(out[cu_q[i] : cu_q[i + 1]], ref) < 2e-2, (i, _rel(out[cu_q[i] : cu_q[i + 1]], ref))
+
+
+def _ulps(a, b):
+    """Largest difference in units of the dtype's last place, at b's magnitude."""
+    eps = torch.finfo(a.dtype).eps
+    return float(((a.float() - b.float()).abs() / (b.float().abs().clamp(min=1e-3) * eps)).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_small_ops_round_as_the_torch_ops(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    t, hidden, inter = 37, 4096, 11008
+    h = torch.randn(t, hidden, device="cuda", generator=gen).to(dtype)
+    delta = torch.randn(t, hidden, device="cuda", generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(dtype)
+
+    def torch_norm(x):
+        y = x.float()
+        return w * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+
+    assert _ulps(small_ops.rms_norm(h, w, 1e-5), torch_norm(h)) <= 1
+    h2 = h.clone()
+    out = small_ops.rms_norm(h2, w, 1e-5, delta)
+    assert torch.equal(h2, h + delta) and _ulps(out, torch_norm(h + delta)) <= 1
+    assert _ulps(rms_norm(h, w, 1e-5), torch_norm(h)) <= 1
+    gu = torch.randn(t, 2 * inter, device="cuda", generator=gen).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    assert _ulps(small_ops.silu_mul(gu), F.silu(gate) * up) <= 1
+
+    heads, kv_heads, d = 8, 2, 128
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, device="cuda", generator=gen).to(dtype)
+    pos = torch.randint(0, 4000, (t,), device="cuda", generator=gen)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    from ops.rope import rope_cos_sin
+
+    cos, sin = rope_cos_sin(pos, inv, 1.0, dtype)
+    kc = torch.zeros(8, BS, kv_heads, d, dtype=dtype, device="cuda")
+    vc = torch.zeros_like(kc)
+    slots = torch.randperm(8 * BS, device="cuda", generator=gen)[:t].to(torch.int32)
+    slots[5] = -1  # not written
+    ref = qkv.clone()
+    q_ref = apply_rope(ref[:, : heads * d].view(t, heads, d), cos, sin)
+    k_ref = apply_rope(ref[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d), cos, sin)
+    v_ref = ref[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+    small_ops.rope_kv(qkv, cos, sin, kc, vc, slots, heads, kv_heads, d)
+    assert torch.equal(qkv[:, : heads * d].view(t, heads, d), q_ref)
+    keep = slots >= 0
+    assert torch.equal(kc.view(-1, kv_heads, d)[slots[keep].long()], k_ref[keep])
+    assert torch.equal(vc.view(-1, kv_heads, d)[slots[keep].long()], v_ref[keep])
+    assert int((kc.view(-1, kv_heads, d).abs().sum((1, 2)) > 0).sum()) == int(keep.sum())
