@@ -92,6 +92,13 @@ class LoraReplica:
             "resident_adapters": s["resident_adapters"], "draining": self.draining, "started_at": self.started_at,
         }
 
+    def check_health(self) -> None:
+        """Serve replaces a replica whose check raises: one whose tensor-parallel shards fell
+        out of step in a failed step (app/engine/tp_workers.py) can serve nothing more."""
+        broken = getattr(self.engine.core.model, "broken", None)
+        if broken is not None:
+            raise RuntimeError(f"tensor-parallel shards out of step: {broken}")
+
     def _ensure(self, spec: AdapterSpec) -> None:
         """Register what the registry says under this name (a new serial = re-registered); the
         engine loads it (off its thread, through the store's caches) when the request arrives."""

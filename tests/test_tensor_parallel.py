@@ -90,21 +90,41 @@ def _generate(engine, jobs, base_only=False):
     return tokens
 
 
-def test_tp2_over_gloo_equals_single_process_engine(tiny_model_dir, adapters):
-    # 3 slots for 4 adapters: slots are re-used mid-run, so shards are sent while steps run
-    cfg = EngineConfig(max_lora_rank=16, max_loras=3, num_kv_blocks=96, block_size=8, max_tokens_per_step=96)
-    names = {k: str(v) for k, v in adapters.items()}
-    jobs = _jobs()
-    single = build_engine(tiny_model_dir, cfg, names, tokenizer=None)
-    expected = _generate(single, jobs)
-    base = _generate(single, jobs, base_only=True)
+def _fail_one_step(engine):
+    """Rank 0 fails after the worker started the step: the ranks are out of step for good."""
+    def fail(inputs, kv):
+        raise RuntimeError("injected")
 
-    tp = build_engine(tiny_model_dir, dataclasses.replace(cfg, tensor_parallel_size=2), names, tokenizer=None)
+    engine.model.local.forward = fail
+    engine.add(GenerateRequest("late", (1, 2, 3), SamplingParams(max_tokens=2, temperature=0.0)))
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.model.broken is not None
+    with pytest.raises(RuntimeError, match="out of step"):
+        engine.model.forward(None, None)
+
+
+# 3 slots for 4 adapters: slots are re-used mid-run, so shards are sent while steps run
+ENGINE = EngineConfig(max_lora_rank=16, max_loras=3, num_kv_blocks=96, block_size=8, max_tokens_per_step=96)
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir, adapters):
+    """The single-process engine's greedy tokens for _jobs(), with and without the adapters."""
+    engine = build_engine(tiny_model_dir, ENGINE, {k: str(v) for k, v in adapters.items()}, tokenizer=None)
+    return _generate(engine, _jobs()), _generate(engine, _jobs(), base_only=True)
+
+
+def test_tp2_over_gloo_equals_single_process_engine(tiny_model_dir, adapters, single):
+    names = {k: str(v) for k, v in adapters.items()}
+    jobs, (expected, base) = _jobs(), single
+    tp = build_engine(tiny_model_dir, dataclasses.replace(ENGINE, tensor_parallel_size=2), names, tokenizer=None)
     try:
         assert tp.model.cfg.num_heads == 4 and tp.model.cfg.num_kv_heads == 1  # rank 0 holds half the heads
         got = _generate(tp, jobs)
         assert tp.max_batch_seen >= 8, "requests were not batched together"
         assert tp.model.lora_pool.evictions > 0, "no adapter was loaded mid-run"
+        _fail_one_step(tp)
     finally:
         tp.model.shutdown()
     for _, rid, adapter, _, _ in jobs:
@@ -123,7 +143,7 @@ def _word_tokenizer(out):
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(out)
 
 
-def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, tmp_path):
+def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, single, tmp_path):
     import ray
     from openai import OpenAI
     from ray import serve
@@ -134,23 +154,14 @@ def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, tmp_p
 
     model = shutil.copytree(tiny_model_dir, tmp_path / "tiny-tp")
     _word_tokenizer(model)
-    single = dict(model=str(model), model_name="tiny", dtype="float32", device="cpu", max_lora_rank=16, max_loras=3, num_kv_blocks=96,
-                  block_size=8, adapter_dirs=[str(next(iter(adapters.values())).parent)], api_keys=[], admin_key=None,
-                  replica={"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
-                  ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}})
-    args = config_args(**single, tensor_parallel_size=2)
-    settings = parse_args(args, "tiny")
-    assert settings.replica_options["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 1}]
-    reference = build_engine(model, parse_args(config_args(**single), "tiny").engine, {k: str(v) for k, v in adapters.items()})
+    args = config_args(model=str(model), model_name="tiny", dtype="float32", device="cpu", tensor_parallel_size=2,
+                       max_lora_rank=ENGINE.max_lora_rank, max_loras=ENGINE.max_loras, num_kv_blocks=ENGINE.num_kv_blocks,
+                       block_size=ENGINE.block_size, max_tokens_per_step=ENGINE.max_tokens_per_step,
+                       adapter_dirs=[str(next(iter(adapters.values())).parent)], api_keys=[], admin_key=None,
+                       replica={"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
+                       ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}})
+    assert parse_args(args, "tiny").replica_options["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 1}]
     jobs = [(rid, adapter, prompt, n) for _, rid, adapter, prompt, n in _jobs()[:7]]
-    expected = {}
-    for rid, adapter, prompt, n in jobs:
-        reference.add(GenerateRequest(rid, tuple(prompt), SamplingParams(max_tokens=n, temperature=0.0), adapter))
-        expected[rid] = ""
-    while reference.has_work():
-        for chunk in reference.step():
-            expected[chunk.request_id] += chunk.text
-
     with serving({APP: (build_app(args), "/")}, num_cpus=3) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -164,7 +175,7 @@ def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, tmp_p
         groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
         stats = replica_stats()
     for (rid, adapter, _, _), answer in zip(jobs, answers):
-        assert answer.choices[0].text == expected[rid], f"{rid} ({adapter})"
+        assert [int(word[1:]) for word in answer.choices[0].text.split()] == single[0][rid], f"{rid} ({adapter})"
     assert status.replica_states == {"RUNNING": 1}
     assert [(len(g["bundles"]), g["strategy"]) for g in groups] == [(2, "STRICT_PACK")]
     assert stats["max_batch_seen"] >= 2, "the requests did not share a batch"
