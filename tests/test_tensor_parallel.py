@@ -71,6 +71,40 @@ def test_weight_shards_gather_to_the_checkpoint(tiny_model_dir, cfg):
     assert all(torch.equal(s.embed, full.embed) and torch.equal(s.lm_head, full.lm_head) for s in shards)
 
 
+def test_step_messages_rebuild_the_inputs_exactly():
+    """Every kind of step (padded groups, paged prefill + decode, with and without LoRA) comes
+    out of encode → decode equal, dtypes and shapes included."""
+    from app.engine.tp_messages import decode, encode
+    from app.model.inputs import LoraSegments, StepInputs
+    from ops.attention import AttentionGroup
+    from ops.paged_attention import DecodeRows, PagedBatch, PrefillRows
+
+    g = torch.Generator().manual_seed(3)
+    ints = lambda *shape, dtype=torch.long: torch.randint(0, 99, shape, generator=g, dtype=dtype)  # noqa: E731
+    mask = torch.zeros(2, 1, 3, 16).masked_fill_(torch.rand(2, 1, 3, 16, generator=g) > 0.5, float("-inf"))
+    lora = LoraSegments(ints(4, dtype=torch.int32), {m: ints(3, dtype=torch.int32) for m in TARGET_MODULES},
+                        {m: ((0, 5, 1, 8, 0.3 / 7), (5, 9, 2, 16, 2.0)) for m in TARGET_MODULES})
+    paged = PagedBatch(PrefillRows(ints(), ints(3, dtype=torch.int32), ints(3, dtype=torch.int32), ints(40), 7, 33),
+                       DecodeRows(9, ints(2, 5, dtype=torch.int32), ints(2, dtype=torch.int32), 4))
+    groups = (AttentionGroup(ints(2, 3), ints(2, 16), mask, ints(5), ints(5)),)
+    for attention, segs in ((groups, lora), (paged, None), (PagedBatch(None, paged.decode), lora)):
+        inputs = StepInputs(ints(9), ints(9), ints(9), attention, ints(2), segs)
+        out = decode(*encode(inputs, "cpu"))
+
+        def same(a, b):
+            if isinstance(a, torch.Tensor):
+                return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+            if dataclasses.is_dataclass(a):
+                return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+            if isinstance(a, dict):
+                return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+            if isinstance(a, tuple):
+                return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+            return a == b and type(a) is type(b)
+
+        assert same(inputs, out)
+
+
 def _jobs():
     rng = random.Random(7)
     jobs = []  # (join step, request id, adapter, prompt, max_tokens)

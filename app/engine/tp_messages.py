@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from app.model.inputs import LoraSegments, StepInputs
 from ops.attention import AttentionGroup
+from ops.paged_attention import DecodeRows, PagedBatch, PrefillRows
 
 STEP, LOAD, STOP = 1, 2, 3
-_CLASSES = {c.__name__: c for c in (StepInputs, AttentionGroup, LoraSegments)}
+_CLASSES = {c.__name__: c for c in (StepInputs, AttentionGroup, PagedBatch, PrefillRows, DecodeRows, LoraSegments)}
 _DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
                                torch.float64, torch.float32, torch.float16, torch.bfloat16)}
 _ALIGN = 8  # every tensor starts 8-byte aligned in the payload, so .view(dtype) is legal
@@ -86,6 +87,18 @@ def _from_bytes(buf: torch.Tensor, metas):
         offset += _padded(n)
 
 
+def encode(obj, device) -> tuple[dict, torch.Tensor]:
+    """(JSON skeleton, uint8 payload on device) of a message."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _flatten(obj, tensors)
+    return skeleton, _to_bytes(tensors, device)
+
+
+def decode(skeleton: dict, payload: torch.Tensor):
+    """The message again; its tensors are views into payload."""
+    return _unflatten(skeleton, _from_bytes(payload, _tensor_metas(skeleton, [])))
+
+
 class Channel:
     """Both ends of the message stream; control/data are process groups (None: the default group)."""
 
@@ -95,9 +108,7 @@ class Channel:
     # -- rank 0 ----------------------------------------------------------------------
     def send_step(self, inputs: StepInputs) -> None:
         """Workers compute no logits: their copy samples no rows."""
-        tensors: list[torch.Tensor] = []
-        skeleton = _flatten(dataclasses.replace(inputs, sample_rows=inputs.sample_rows[:0]), tensors)
-        payload = _to_bytes(tensors, self.device)
+        skeleton, payload = encode(dataclasses.replace(inputs, sample_rows=inputs.sample_rows[:0]), self.device)
         self._header(STEP, skeleton, payload.numel())
         if payload.numel():
             dist.broadcast(payload, 0, group=self.data)
@@ -107,11 +118,8 @@ class Channel:
         sent = [{"slot": slot, "rank": rank, "scale": scale,
                  "stacks": {m: {"layers": list(st.layers), "A": st.A, "Bt": st.Bt} for m, st in stacks.items()}}
                 for stacks in stacks_per_worker]
-        payloads = []
-        for message in sent:
-            tensors: list[torch.Tensor] = []
-            skeleton = _flatten(message, tensors)
-            payloads.append(_to_bytes(tensors, "cpu"))
+        encoded = [encode(message, "cpu") for message in sent]
+        skeleton, payloads = encoded[0][0], [payload for _, payload in encoded]
         self._header(LOAD, skeleton, payloads[0].numel())  # same shapes on every worker
         for worker, payload in enumerate(payloads, start=1):
             dist.send(payload, worker, group=self.control)
@@ -139,4 +147,4 @@ class Channel:
             dist.broadcast(payload, 0, group=self.data)
         elif kind == LOAD:
             dist.recv(payload, 0, group=self.control)
-        return kind, _unflatten(skeleton, _from_bytes(payload, _tensor_metas(skeleton, [])))
+        return kind, decode(skeleton, payload)

@@ -132,7 +132,7 @@ class TensorParallelModel:
 
     def __init__(self, local: LlamaModel, channel: Channel, workers):
         self.local, self.channel, self.workers = local, channel, workers
-        self.cfg, self.lora_pool = local.cfg, local.lora_pool  # the shard's shape: the KV cache is per shard
+        self.cfg, self.lora_pool, self.dtype = local.cfg, local.lora_pool, local.dtype  # the shard's shape: KV is per shard
         self.broken: BaseException | None = None
 
     def forward(self, inputs, kv_caches) -> torch.Tensor:
