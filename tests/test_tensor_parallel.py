@@ -208,8 +208,10 @@ def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, singl
         status = serve.status().applications[APP].deployments["LoraReplica"]
         groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
         stats = replica_stats()
+        workers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("tp-worker-")]
     for (rid, adapter, _, _), answer in zip(jobs, answers):
         assert [int(word[1:]) for word in answer.choices[0].text.split()] == single[0][rid], f"{rid} ({adapter})"
     assert status.replica_states == {"RUNNING": 1}
     assert [(len(g["bundles"]), g["strategy"]) for g in groups] == [(2, "STRICT_PACK")]
+    assert len(workers) == 1 and workers[0].endswith("-rank1"), "rank 1 is not a child actor in the group"
     assert stats["max_batch_seen"] >= 2, "the requests did not share a batch"

@@ -45,13 +45,12 @@ class WorkerSpec:
     init_method: str  # tcp://host:port of rank 0's rendezvous
     config: EngineConfig
     pool: PoolConfig  # its device is rank 0's; each rank uses its own
-    timeout_s: float = IDLE_TIMEOUT.total_seconds()
 
 
 def _join(rank: int, spec: WorkerSpec, device: torch.device):
     """Join the group; (control group, data group), None meaning the default group."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off (see the device docs)
-    world, timeout = spec.config.tensor_parallel_size, timedelta(seconds=spec.timeout_s)
+    world, timeout = spec.config.tensor_parallel_size, IDLE_TIMEOUT
     if device.type != "cuda":
         dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=world, timeout=timeout)
         return None, None
@@ -187,7 +186,7 @@ class RayWorkers:
         self.device = "cuda" if cuda else "cpu"  # Ray shows each actor only its own GPU
         actor = ray.remote(_RayWorker)
         self.actors = [actor.options(
-            num_cpus=1, num_gpus=1 if cuda else 0, name=None,
+            num_cpus=1, num_gpus=1 if cuda else 0, name=f"tp-worker-{os.getpid()}-rank{r}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r),
             runtime_env={"env_vars": {"NCCL_NVLS_ENABLE": "0"}},
         ).remote() for r in range(1, spec.config.tensor_parallel_size)]
@@ -218,13 +217,12 @@ def _rendezvous(host: str) -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
-def build_tp_model(path: Path, config: EngineConfig, pool_config: PoolConfig, on_load,
-                   timeout_s: float = IDLE_TIMEOUT.total_seconds()) -> TensorParallelModel:
+def build_tp_model(path: Path, config: EngineConfig, pool_config: PoolConfig, on_load) -> TensorParallelModel:
     """Start ranks 1…N−1 (Ray actors inside a placement group, else local processes), then
     join them as rank 0 with this process's shard and a ShardedLoraPool."""
     pg = _current_placement_group()
     host = _node_ip() if pg is not None else "127.0.0.1"
-    spec = WorkerSpec(str(path), _rendezvous(host), config, pool_config, timeout_s)
+    spec = WorkerSpec(str(path), _rendezvous(host), config, pool_config)
     workers = RayWorkers(spec, pg) if pg is not None else LocalWorkers(spec)
     device = _indexed(workers.device)
     control, data = _join(0, spec, device)
