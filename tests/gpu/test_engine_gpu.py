@@ -66,10 +66,15 @@ def test_engine_on_gpu_matches_peft(gpu_model, dtype):
     near-tie of HF's own logits (fp16/bf16 rounding may then pick either; the two runs
     legitimately diverge after it), and most requests match exactly end to end."""
     path, adapters = gpu_model
-    rng = random.Random(0)
     cfg = EngineConfig(max_lora_rank=64, max_loras=4, num_kv_blocks=256, dtype=dtype, device="cuda")
-    engine = build_engine(path, cfg, {k: str(v) for k, v in adapters.items()}, tokenizer=None)
-    jobs = [(f"g{i}", a, [rng.randrange(512) for _ in range(rng.randint(4, 60))])
+    check_mixed_batch_matches_peft(build_engine(path, cfg, {k: str(v) for k, v in adapters.items()}, tokenizer=None),
+                                   path, adapters, dtype, vocab=512)
+
+
+def check_mixed_batch_matches_peft(engine, path, adapters, dtype, vocab):
+    """The check above, for an engine over the checkpoint ``path`` with ``adapters`` registered."""
+    rng = random.Random(0)
+    jobs = [(f"g{i}", a, [rng.randrange(vocab) for _ in range(rng.randint(4, 60))])
             for i, a in enumerate([None, *adapters, *adapters, None, "qv8", "all16"])]
     requests = {}
     for i, (rid, a, p) in enumerate(jobs):
