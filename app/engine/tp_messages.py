@@ -3,7 +3,9 @@
 A message is a header (kind, skeleton length, payload bytes) and a JSON skeleton, both
 broadcast over the gloo control group, then its tensors as one byte payload: a step's
 inputs are broadcast over the data group from rank 0's device (NCCL on GPUs, so no
-host round trip); an adapter load sends each worker its own shard over the control group.
+host round trip); an adapter load copies each worker's shard from the host to rank 0's
+device and sends it on over the data group (NVLink, not a socket), so the shards reach
+their GPUs without a host round trip through the workers and in order with the steps.
 The skeleton names only the classes listed here and tensors by dtype and shape, so a
 message rebuilds exactly what rank 0 had and nothing else (no pickle).
 """
@@ -118,11 +120,11 @@ class Channel:
         sent = [{"slot": slot, "rank": rank, "scale": scale,
                  "stacks": {m: {"layers": list(st.layers), "A": st.A, "Bt": st.Bt} for m, st in stacks.items()}}
                 for stacks in stacks_per_worker]
-        encoded = [encode(message, "cpu") for message in sent]
+        encoded = [encode(message, self.device) for message in sent]
         skeleton, payloads = encoded[0][0], [payload for _, payload in encoded]
         self._header(LOAD, skeleton, payloads[0].numel())  # same shapes on every worker
         for worker, payload in enumerate(payloads, start=1):
-            dist.send(payload, worker, group=self.control)
+            dist.send(payload, worker, group=self.data)
 
     def send_stop(self) -> None:
         self._header(STOP, {"v": None}, 0)
@@ -134,17 +136,16 @@ class Channel:
 
     # -- workers -----------------------------------------------------------------------
     def receive(self):
-        """(kind, message): StepInputs on this rank's device, or a load's dict (tensors on the host)."""
+        """(kind, message): StepInputs or a load's dict, tensors on this rank's device."""
         header = torch.empty(3, dtype=torch.int64)
         dist.broadcast(header, 0, group=self.control)
         kind, length, nbytes = header.tolist()
         text = torch.empty(length, dtype=torch.uint8)
         dist.broadcast(text, 0, group=self.control)
         skeleton = json.loads(bytes(text.tolist()))
-        device = self.device if kind == STEP else torch.device("cpu")
-        payload = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if kind == STEP and nbytes:
             dist.broadcast(payload, 0, group=self.data)
         elif kind == LOAD:
-            dist.recv(payload, 0, group=self.control)
+            dist.recv(payload, 0, group=self.data)
         return kind, decode(skeleton, payload)

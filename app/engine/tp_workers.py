@@ -102,7 +102,8 @@ def worker_main(rank: int, spec: WorkerSpec, device: str) -> None:
 
 
 def _fill(pool: LoraPool, message: dict) -> None:
-    """Write this rank's shard into the slot on the current stream: ordered before the next step."""
+    """Write this rank's shard (received on this device) into the slot on the current stream:
+    ordered before the next step."""
     from adapters_store.peft_weights import ModuleStack
 
     stacks = {m: ModuleStack(tuple(s["layers"]), s["A"], s["Bt"]) for m, s in message["stacks"].items()}
