@@ -215,3 +215,15 @@ def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, singl
     assert [(len(g["bundles"]), g["strategy"]) for g in groups] == [(2, "STRICT_PACK")]
     assert len(workers) == 1 and workers[0].endswith("-rank1"), "rank 1 is not a child actor in the group"
     assert stats["max_batch_seen"] >= 2, "the requests did not share a batch"
+
+
+def test_replica_options_and_degrees_that_do_not_divide(cfg):
+    from app.tp_serve import tensor_parallel_options
+
+    gpu = tensor_parallel_options({"ray_actor_options": {"num_cpus": 4}, "num_replicas": 2}, 4, "cuda")
+    assert gpu["placement_group_bundles"] == [{"CPU": 4, "GPU": 1}] + [{"CPU": 1, "GPU": 1}] * 3
+    assert gpu["placement_group_strategy"] == "STRICT_PACK" and gpu["ray_actor_options"]["num_gpus"] == 1
+    assert gpu["num_replicas"] == 2  # replicas still scale as whole groups
+    assert tensor_parallel_options({"num_replicas": 1}, 1, "cuda") == {"num_replicas": 1}
+    with pytest.raises(ValueError, match="does not divide the model's 8 attention heads"):
+        shard_config(cfg, 3)
