@@ -18,9 +18,9 @@ all-reduce moving 2(N−1)/N of the message per GPU):
   h=8192 → 2.6 MB/token); a separate shrink all-reduce would add 2·L·r·2 B per token
   (r=16: 5 KB/token, +0.2 %). Bytes do not decide.
 - collectives: the separate one doubles the collectives per step, 2·L → 4·L (70B: +160
-  launches per step, each paying NCCL's small-message latency of ~10 µs over NVLink →
-  ~1.6 ms added to every step, which at TP 2 and batch 32 reads 35 GB of weights per GPU,
-  ~9 ms at 4 TB/s).
+  launches per step, each paying NCCL's small-message latency, typically ~10 µs over
+  NVLink and not yet measured here → ~1.6 ms added to every step, whose decode at TP 2
+  reads 70 GB of weights per GPU, ~17.5 ms at 4.0 TB/s).
 - folding's price: every rank reads the whole ``B`` of o and down instead of 1/N of it:
   (N−1)/N · 2·L·r·h·2 B per distinct adapter in the batch (70B, r=16, N=2: 21 MB, ~5 µs at
   4 TB/s; 32 distinct adapters ~0.17 ms), less than the added latency. So each shard's LoRA
