@@ -44,13 +44,18 @@ class GenerateRequest:
     """One generation. ``resume_token_ids`` are tokens already generated elsewhere
     (before a migration): they are recomputed by prefill, count towards
     max_tokens / min_tokens and take part in stop-string matching, but are not
-    streamed again."""
+    streamed again; ``resume_text_chars`` of their text already reached the
+    client (None: all of it). The router reads ``avoid_replicas`` (never these:
+    they failed) and ``migrated_from`` (not this one while another has room)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     adapter: str | None = None
     resume_token_ids: tuple[int, ...] = ()
+    resume_text_chars: int | None = None
+    avoid_replicas: tuple[str, ...] = ()
+    migrated_from: str | None = None
 
     def resumed(self, migrate: "Migrate") -> "GenerateRequest":
         """The request to re-submit after ``migrate`` (same id, params and seed)."""
@@ -81,6 +86,13 @@ class Migrate:
     output_token_ids: tuple[int, ...]
     seed: int
     reason: str
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The first item of a replica's stream: which replica took the request."""
+
+    replica_id: str
 
 
 @dataclass(frozen=True)

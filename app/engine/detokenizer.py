@@ -8,12 +8,13 @@ from __future__ import annotations
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, stop: tuple[str, ...], resumed_ids: list[int]):
+    def __init__(self, tokenizer, stop: tuple[str, ...], resumed_ids: list[int], sent: int | None = None):
+        """sent: characters of the resumed tokens' text the client already has (None: all;
+        fewer when text held back for a stop string had not been released before a migration)."""
         self.tokenizer = tokenizer
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        # text of tokens generated before a migration was already streamed
-        self.sent = len(self._decode(resumed_ids))
+        self.sent = len(self._decode(resumed_ids)) if sent is None else sent
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None or not ids:

@@ -1,0 +1,195 @@
+"""Cross-replica migration and failover, driven by the ingress: one client stream over
+as many replica streams as it takes.
+
+A replica stream can end unfinished three ways, and all take one path: re-submit the
+request through the router with the tokens already relayed to the client as
+``resume_token_ids`` (the new replica recomputes their KV by prefill and streams only
+what follows), and keep relaying.
+- ``Migrate`` chunk: its engine ran out of KV (or the replica is draining); the source
+  replica is avoided while another has room.
+- The stream fails (actor died, node lost, killed past its grace period): the failed
+  replica is never chosen again for this request. With no other replica, the request
+  waits up to ``failover_wait_s`` for Serve's replacement.
+- The router saw the replica leave the running set (a scale-down stops it): the call is
+  cancelled (which aborts it there) and re-submitted before the replica dies.
+The ingress fixes the seed before the first token and sampling is seeded per absolute
+position, so the output equals the uninterrupted one token for token. Each request
+moves at most ``max_migrations`` times, then ends with an explicit error.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.metrics import Counter
+
+from app.errors import LoraplexError
+from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, TokenChunk
+
+log = logging.getLogger("ray.serve")
+
+REPLICA_FAILURES = (RayActorError, WorkerCrashedError, NodeDiedError)  # ActorDied / ActorUnavailable included
+
+
+@dataclass(frozen=True)
+class MigrationPolicy:
+    max_migrations: int = 8  # moves (migrations + failovers) one request may make
+    failover_wait_s: float = 60.0  # how long a moved request may wait for a replica to take it
+
+
+class Overloaded(LoraplexError):
+    status = 503
+    code = "overloaded"
+
+
+def with_fixed_seed(request: GenerateRequest) -> GenerateRequest:
+    """The user's seed, or one drawn here: a failover then resamples the same tokens."""
+    if request.params.seed is not None:
+        return request
+    return dataclasses.replace(request, params=dataclasses.replace(request.params, seed=random.getrandbits(63)))
+
+
+_live: dict[str, set["ResubmittingStream"]] = {}  # replica id → streams it serves (this process)
+_migrations = Counter("loraplex_migrations", "requests moved to another replica, by reason", tag_keys=("reason",))
+
+
+def replicas_stopping(replica_ids: set[str]) -> None:
+    """Called by the router when replicas leave the running set: their streams move."""
+    for rid in replica_ids:
+        for stream in list(_live.get(rid, ())):
+            stream.stopping.set()
+
+
+class ResubmittingStream:
+    """What the ingress relays (`chunks()`): TokenChunks, or a final ErrorChunk."""
+
+    def __init__(self, submit: Callable, request: GenerateRequest, policy: MigrationPolicy):
+        """submit(GenerateRequest) → the replica's DeploymentResponseGenerator."""
+        self.submit = submit
+        self.request = request
+        self.policy = policy
+        self.token_ids: list[int] = []  # relayed to the client
+        self.text_chars = 0
+        self.moves = 0
+        self.failed: tuple[str, ...] = ()
+        self.replica: str | None = None
+        self.stopping = asyncio.Event()
+        self._generator = None
+        self._first = None
+
+    @classmethod
+    async def open(cls, submit: Callable, request: GenerateRequest, policy: MigrationPolicy) -> "ResubmittingStream":
+        """Validation errors (a LoraplexError) raise here, before any HTTP response starts."""
+        stream = cls(submit, request, policy)
+        try:
+            stream._first = await stream._connect(request, wait_s=None)
+        except BackPressureError:
+            raise Overloaded("too many requests are waiting for a replica; retry later") from None
+        return stream
+
+    async def chunks(self) -> AsyncIterator[TokenChunk | ErrorChunk]:
+        finished = False
+        try:
+            item = self._first
+            while True:
+                while isinstance(item, Migrate):
+                    item = await self._move(item.reason)
+                if isinstance(item, TokenChunk):
+                    self.token_ids += item.token_ids
+                    self.text_chars += len(item.text)
+                    finished = item.finish_reason is not None
+                else:  # an ErrorChunk ends the request (the relay reports it)
+                    finished = isinstance(item, ErrorChunk)
+                yield item
+                if finished:
+                    return
+                item = await self._read()
+        finally:
+            self._release(cancel=not finished)
+
+    async def _move(self, reason: str):
+        """Re-submit after the replica stream ended unfinished: the new stream's first item,
+        or an ErrorChunk that ends the request."""
+        self._release(cancel=True)
+        self.moves += 1
+        _migrations.inc(tags={"reason": reason})
+        if self.moves > self.policy.max_migrations:
+            return ErrorChunk(self.request.request_id, f"the request was moved between replicas {self.moves - 1} "
+                              f"times (limit max_migrations) without finishing: no replica has room for it", 503)
+        log.info("moving %s off %s (%s) after %d tokens", self.request.request_id, self.replica, reason,
+                 len(self.token_ids))
+        resumed = dataclasses.replace(
+            self.request, resume_token_ids=tuple(self.token_ids), resume_text_chars=self.text_chars,
+            avoid_replicas=self.failed, migrated_from=self.replica)
+        try:
+            return await self._connect(resumed, wait_s=self.policy.failover_wait_s)
+        except asyncio.TimeoutError:
+            return ErrorChunk(self.request.request_id, f"no replica took the request within "
+                              f"{self.policy.failover_wait_s:g} s after its replica stopped", 503)
+        except (LoraplexError, BackPressureError) as exc:
+            return ErrorChunk(self.request.request_id, f"the request could not be resumed: {exc}", 503)
+
+    async def _connect(self, request: GenerateRequest, wait_s: float | None):
+        """Submit; wait (bounded by wait_s) for a replica to accept; return its first item."""
+        self.replica = None
+        self._generator = self.submit(request)
+        try:
+            accepted = await asyncio.wait_for(self._generator.__anext__(), wait_s)
+        except REPLICA_FAILURES as exc:
+            return self._failed(exc)
+        except BaseException:
+            self._release(cancel=True)
+            raise
+        if not isinstance(accepted, Accepted):
+            raise TypeError(f"a replica stream must open with Accepted, not {type(accepted).__name__}")
+        self.replica = accepted.replica_id
+        self.stopping.clear()
+        _live.setdefault(self.replica, set()).add(self)
+        first = await self._read()
+        if isinstance(first, LoraplexError):  # rejected: bad input, not a replica failure
+            self._release(cancel=True)
+            raise first
+        return first
+
+    async def _read(self):
+        """The replica stream's next item; its failure or stop as a Migrate to act on."""
+        if self.stopping.is_set():
+            return self._stopped()
+        step = asyncio.ensure_future(self._generator.__anext__())
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            done, _ = await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if step not in done:
+            step.cancel()
+            return self._stopped()
+        try:
+            return step.result()
+        except StopAsyncIteration:
+            return self._failed(RuntimeError("the replica stream ended without a final chunk"))
+        except REPLICA_FAILURES as exc:
+            return self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> Migrate:
+        log.warning("replica %s failed under %s (%s): failing over", self.replica, self.request.request_id,
+                    type(exc).__name__)
+        if self.replica is not None:
+            self.failed += (self.replica,)
+        return Migrate(self.request.request_id, (), (), 0, "failover")
+
+    def _stopped(self) -> Migrate:
+        return Migrate(self.request.request_id, (), (), 0, "replica_stopped")
+
+    def _release(self, cancel: bool) -> None:
+        if self.replica is not None:
+            _live.get(self.replica, set()).discard(self)
+        if self._generator is not None and cancel:
+            self._generator.cancel()
+        self._generator = None

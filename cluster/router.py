@@ -1,0 +1,140 @@
+"""Punica's consolidating request router for LoraReplica.
+
+A request goes to the replica with the *largest* current batch that still has
+room (batch below its limit and enough free KV blocks for the prompt plus a
+reserve); ties → the oldest replica (Serve's downscale stops the newest first, so
+the released replicas are the idle ones); among equals, one where the adapter is
+already resident. Replica stats are stale by up to the polling period, so the
+router adds what it sent to each replica since that replica's last report. No
+replica with room → the request waits, first come first served, and Serve retries
+it (with backoff) until one has room; `max_queued_requests` bounds that queue.
+
+`rank` is the whole policy as a pure function (tested without Ray);
+`ConsolidatingRouter` feeds it from Serve and follows its order.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import List, Optional
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from cluster.stats import ReplicaStats
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One replica as the router sees it: its last report plus what was sent since."""
+
+    replica_id: str
+    stats: ReplicaStats | None  # None until its first report
+    sent: int = 0  # requests routed to it after that report
+    sent_blocks: int = 0  # KV blocks those requests need
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one request asks of a replica."""
+
+    tokens: int  # prompt + resumed tokens + the next one
+    adapter: str | None = None
+    avoid: frozenset[str] = frozenset()  # failed replicas: never
+    migrated_from: str | None = None  # its previous replica: only if no other has room
+
+
+@dataclass(frozen=True)
+class Policy:
+    reserve_blocks: int = 1  # free KV blocks a replica must keep beyond the prompt's
+    max_batch: int = 16  # assumed for a replica that has not reported yet
+    block_size: int = 16  # likewise
+
+
+def _room(v: ReplicaView, need: Need, p: Policy) -> bool:
+    s = v.stats
+    if s is None:
+        return v.sent < p.max_batch
+    blocks = math.ceil(need.tokens / s.block_size)
+    return (not s.draining and s.batch + v.sent < s.max_batch
+            and s.free_kv_blocks - v.sent_blocks >= blocks + p.reserve_blocks)
+
+
+def _key(v: ReplicaView, need: Need):
+    s = v.stats
+    batch = v.sent + (s.batch if s else 0)
+    started = s.started_at if s else math.inf  # unreported = just started = newest
+    resident = bool(s and need.adapter and need.adapter in s.resident_adapters)
+    return -batch, started, not resident, v.replica_id
+
+
+def rank(views: list[ReplicaView], need: Need, policy: Policy) -> list[str]:
+    """Replica ids with room for ``need``, best first (empty: the request must wait)."""
+    roomy = [v for v in views if v.replica_id not in need.avoid and _room(v, need, policy)]
+    elsewhere = [v for v in roomy if v.replica_id != need.migrated_from]
+    return [v.replica_id for v in sorted(elsewhere or roomy, key=lambda v: _key(v, need))]
+
+
+def need_of(pending: PendingRequest | None, policy: Policy) -> Need:
+    """The GenerateRequest is the first argument of LoraReplica.generate."""
+    request = pending.args[0] if pending is not None and pending.args else None
+    if request is None or not hasattr(request, "prompt_token_ids"):
+        return Need(tokens=1)
+    return Need(len(request.prompt_token_ids) + len(request.resume_token_ids) + 1, request.adapter,
+                frozenset(request.avoid_replicas), request.migrated_from)
+
+
+class ConsolidatingRouter(RequestRouter):
+    """Configured by `request_router_kwargs` (reserve_blocks, max_batch, block_size)."""
+
+    def initialize_state(self, reserve_blocks: int = 1, max_batch: int = 16, block_size: int = 16):
+        self.policy = Policy(reserve_blocks, max_batch, block_size)
+        self._sent: dict[str, list[tuple[float, int]]] = defaultdict(list)  # replica → [(sent at, blocks)]
+        self._routed = Counter("loraplex_router_requests_routed", "requests routed, by replica", tag_keys=("replica",))
+        self._queue = Gauge("loraplex_router_queue_length", "requests waiting for a replica with room")
+        self._wait = Histogram("loraplex_router_wait_for_room_s", "time a request waited for a replica with room",
+                               boundaries=[0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30])
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        waiting = [p for p in self._pending_requests_to_fulfill if not p.future.done()]
+        self._queue.set(len(waiting))
+        if pending_request is not None and any(p.created_at < pending_request.created_at for p in waiting):
+            return []  # first come, first served: an older request is still waiting for room
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        views = [self._view(r) for r in candidate_replicas]
+        need = need_of(pending_request, self.policy)
+        order = rank(views, need, self.policy)
+        log.debug("route %s: candidates %s -> %s", getattr(pending_request and pending_request.metadata, "request_id", "?"),
+                  [(v.replica_id, v.stats.batch if v.stats else None, v.sent) for v in views], order or "wait")
+        # one replica per rank: Serve picks the least loaded *within* a rank, which would undo the policy
+        return [[by_id[i]] for i in order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        rid = replica_id.unique_id
+        need = need_of(pending_request, self.policy)
+        self._sent[rid].append((time.time(), math.ceil(need.tokens / self.policy.block_size)))
+        self._routed.inc(tags={"replica": rid})
+        self._wait.observe(max(0.0, time.time() - pending_request.created_at))
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        before = {r.unique_id for r in self._replica_id_set}
+        super().update_replicas(replicas)
+        gone = before - {r.replica_id.unique_id for r in replicas}
+        if gone:  # stopped by a scale-down (or dead): streams still on them move now
+            from cluster.migration import replicas_stopping
+
+            replicas_stopping(gone)
+
+    def _view(self, replica: RunningReplica) -> ReplicaView:
+        rid = replica.replica_id.unique_id
+        stats = ReplicaStats.from_dict(replica.routing_stats)
+        sent = self._sent.get(rid, [])
+        if stats is not None:  # what the report already counts
+            sent[:] = [(t, b) for t, b in sent if t >= stats.reported_at]
+        return ReplicaView(rid, stats, len(sent), sum(b for _, b in sent))
