@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from app.engine.config import EngineConfig
 from app.tp_serve import tensor_parallel_options
+from cluster.autoscaling import ray_autoscaling_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -116,6 +117,15 @@ def _adapter_dirs(dirs: list[str]) -> tuple[str, ...]:
     return tuple(resolved)
 
 
+def _replica_options(replica: DeploymentArgs, max_ongoing: int) -> dict:
+    """LoraReplica's Serve options; an autoscaling config gets the consolidation-aware
+    policy unless it names its own (cluster/autoscaling.py)."""
+    options = replica.options(num_replicas=1, max_ongoing_requests=max_ongoing)
+    if "autoscaling_config" in options:
+        options["autoscaling_config"] = ray_autoscaling_config(options["autoscaling_config"])
+    return options
+
+
 def parse_args(raw: dict | None, default_model_name: str) -> Settings:
     try:
         a = AppArgs.model_validate(raw or {})
@@ -133,7 +143,7 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         model=a.model, model_name=name, engine=engine, adapter_dirs=_adapter_dirs(a.adapter_dirs), api_keys=keys,
         admin_key=a.admin_key,
         # The engine batches many requests: Serve's default of 5 in flight per replica would starve it.
-        replica_options=tensor_parallel_options(a.replica.options(num_replicas=1, max_ongoing_requests=4 * a.max_batch_size),
+        replica_options=tensor_parallel_options(_replica_options(a.replica, 4 * a.max_batch_size),
                                                 a.tensor_parallel_size, a.device),
         ingress_options=a.ingress.options(num_replicas=1, max_ongoing_requests=1024),
         max_body_bytes=a.max_body_bytes, registry_path=a.registry_path,

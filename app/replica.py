@@ -18,6 +18,7 @@ from ray import serve
 
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
+from app.engine_metrics import EngineMetrics
 from app.errors import AdapterNotFoundError, LoraplexError
 from app.protocol import Chunk, GenerateRequest
 from app.registry import AdapterSpec
@@ -54,6 +55,7 @@ class LoraReplica:
         self.specs = {s.name: s for s in settings.adapters}  # what this replica registered, by name
         self.epoch = 0  # the registry epoch this replica last synced with
         self.draining = False  # set by scale-down (cluster/) once this replica must empty
+        self.metrics = EngineMetrics(self.engine).start()  # the engine's Prometheus series (app/engine_metrics.py)
 
     async def generate(self, request: GenerateRequest, adapter: AdapterSpec | None,
                        epoch: int) -> AsyncIterator[Chunk | LoraplexError]:
@@ -92,6 +94,17 @@ class LoraReplica:
             "resident_adapters": s["resident_adapters"], "draining": self.draining, "started_at": self.started_at,
         }
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve pushes this to the autoscaling policy (cluster/autoscaling.py) every
+        `metrics_interval_s`; idle_since is the wall time the last request left (0 while busy)."""
+        s = await self.stats()
+        return {
+            "running": s["running"], "waiting": s["waiting"], "max_batch": s["max_batch"],
+            "free_kv_blocks": s["free_kv_blocks"], "total_kv_blocks": s["total_kv_blocks"],
+            "idle_since": self.engine.idle_since or 0.0, "draining": float(self.draining),
+            "started_at": self.started_at,
+        }
+
     def check_health(self) -> None:
         """Serve replaces a replica whose check raises: one whose tensor-parallel shards fell
         out of step in a failed step (app/engine/tp_workers.py) can serve nothing more."""
@@ -118,4 +131,5 @@ class LoraReplica:
         self.epoch = max(self.epoch, latest)
 
     def __del__(self):
+        self.metrics.stop()
         self.engine.shutdown()

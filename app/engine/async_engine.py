@@ -1,7 +1,8 @@
 """The engine on its own thread, streaming chunks to asyncio callers.
 
 Only the engine thread touches EngineCore: callers post adds and aborts to an
-inbox; chunks go back through each request's asyncio queue.
+inbox; chunks go back through each request's asyncio queue. Each step and each
+delivered token is recorded in ``telemetry`` (app/engine/telemetry.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from concurrent.futures import Future
 from typing import AsyncIterator
 
 from app.engine.core import EngineCore
+from app.engine.telemetry import EngineTelemetry
 from app.protocol import Chunk, ErrorChunk, GenerateRequest, Migrate, TokenChunk
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,8 @@ class _Stream:
         self.request = request
         self.loop = loop
         self.queue: asyncio.Queue[Chunk] = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.last_token: float | None = None  # when its previous token was delivered
 
     def put(self, chunk: Chunk) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, chunk)
@@ -40,6 +44,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopped = False
         self.snapshot = core.stats()
+        self.telemetry = EngineTelemetry()
+        self._callers = 0  # generate() calls in progress (adapter loads included)
+        self.idle_since: float | None = time.time()  # wall time the last caller left; None while busy
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -48,13 +55,15 @@ class AsyncEngine:
         """Chunks of one request until it finishes, errors or migrates. Validation errors
         raise here before the first chunk; leaving the iterator early aborts the request."""
         stream = _Stream(request, asyncio.get_running_loop())
-        # S3 / disk / parse happen here, on the store's threads, never on the engine thread
-        adapter = await self.core.adapters.aget(request.adapter) if request.adapter else None
-        accepted: Future = Future()
-        self._post(("add", stream, accepted, adapter))
-        await asyncio.wrap_future(accepted)
+        self._callers += 1
+        self.idle_since = None
         finished = False
         try:
+            # S3 / disk / parse happen here, on the store's threads, never on the engine thread
+            adapter = await self.core.adapters.aget(request.adapter) if request.adapter else None
+            accepted: Future = Future()
+            self._post(("add", stream, accepted, adapter))
+            await asyncio.wrap_future(accepted)
             while True:
                 chunk = await stream.queue.get()
                 yield chunk
@@ -64,6 +73,9 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request.request_id)
+            self._callers -= 1
+            if not self._callers:
+                self.idle_since = time.time()
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
@@ -91,11 +103,14 @@ class AsyncEngine:
                 self._wake.wait()
                 self._wake.clear()
                 continue
+            start = time.perf_counter()
             try:
                 chunks = self.core.step()
             except Exception as exc:  # a failed step must not strand any stream
                 log.exception("engine step failed")
                 chunks = self._fail_all(exc)
+            if not self.core.idle:
+                self.telemetry.step(self.core.last_batch_size, time.perf_counter() - start)
             self.snapshot = self.core.stats()
             for chunk in chunks:
                 self._deliver(chunk)
@@ -123,6 +138,8 @@ class AsyncEngine:
             accepted.set_exception(exc)
             return
         self._streams[stream.request.request_id] = stream
+        if not stream.request.resume_token_ids:  # a migrated-in request was counted where it arrived
+            self.telemetry.request(stream.request.adapter, len(stream.request.prompt_token_ids))
         accepted.set_result(None)
 
     def _call(self, fn, args, done: Future) -> None:
@@ -135,13 +152,34 @@ class AsyncEngine:
         stream = self._streams.get(chunk.request_id)
         if stream is None:
             return
+        self._record(stream, chunk)
         if isinstance(chunk, Migrate) and self.migrate_locally:
             stream.request = stream.request.resumed(chunk)
             self.core.add(stream.request, front=True)
             return
         if isinstance(chunk, (Migrate, ErrorChunk)) or chunk.finish_reason is not None:
             del self._streams[chunk.request_id]
+        if isinstance(chunk, Migrate):  # it leaves this engine unfinished
+            self.telemetry.migrated(chunk.reason)
         stream.put(chunk)
+
+    def _record(self, stream: _Stream, chunk: Chunk) -> None:
+        t = self.telemetry
+        if isinstance(chunk, Migrate):
+            if chunk.reason == "kv_cache_exhausted":
+                t.preempted()
+        elif isinstance(chunk, ErrorChunk):
+            t.finished("error")
+        else:
+            now = time.monotonic()
+            if chunk.token_ids:
+                first = stream.last_token is None
+                t.tokens(len(chunk.token_ids),
+                         ttft=now - stream.arrival if first and not stream.request.resume_token_ids else None,
+                         gap=None if first else now - stream.last_token)
+                stream.last_token = now
+            if chunk.finish_reason is not None:
+                t.finished(chunk.finish_reason)
 
     def _fail_all(self, exc: Exception) -> list[Chunk]:
         failed = []

@@ -36,6 +36,7 @@ class EngineCore:
         self.steps = 0
         self.idle = False
         self.max_batch_seen = 0  # most requests in one forward pass
+        self.last_batch_size = 0  # requests in the latest forward pass
         self.tokens_computed = 0  # prefill + decode tokens through the model, ever
 
     # -- requests -------------------------------------------------------------
@@ -96,6 +97,7 @@ class EngineCore:
                     for s, t, lp in zip(sampled, tokens, logprobs)]
             self.steps += 1
             self.max_batch_seen = max(self.max_batch_seen, len(plan.scheduled))
+        self.last_batch_size = len(plan.scheduled)
         return out
 
     def _postprocess(self, seq: Sequence, token: int, logprob: dict | None) -> TokenChunk:

@@ -1,0 +1,207 @@
+"""Consolidation-aware autoscaling for LoraReplica (Punica: ask for another GPU only when
+no replica has room; give back the ones that have gone idle).
+
+Each replica pushes `record_autoscaling_stats()` (running, waiting, max batch, free KV
+blocks, idle_since, draining) to the Serve controller every `metrics_interval_s`; the
+controller calls this policy every 0.1 s with those reports (`ctx.raw_metrics`, the
+latest sample of each replica is used) and the requests queued at the handles, i.e.
+waiting in the router for a replica with room (`ctx.total_queued_requests`).
+
+Decisions (`decide`, a pure function):
+- up, when requests have waited for room for `upscale_delay_s` (queued at the router or
+  in an engine): by as many replicas as that work needs (⌈waiting / max batch⌉, less
+  the replicas already starting), within max_replicas;
+- up by one, when every replica has been above `high_water` of its batch or of its KV
+  blocks for `upscale_delay_s`;
+- down, only by the number of replicas that have held no request for
+  `downscale_delay_s` (min_replicas may be 0: the next request then waits at the handle
+  while Serve starts a replica, Ray's cold-start path);
+- otherwise hold. Every change is logged with its reason and counted in metrics.
+
+Which replicas go is Ray's choice, not the policy's: Serve's
+`deployment_scheduler._get_replicas_to_stop` stops replicas that are not running yet
+first, then those on the nodes with the fewest replicas, and on a node the newest
+first. The router (cluster/router.py) fills the oldest replica with room first, so the
+idle replicas are the newest ones, and the count the policy asks to release is the
+count Ray stops from the idle end. If a replica Ray picks still holds a stream (the
+newest replica was busy while an older one idled), its graceful shutdown drains it:
+each stream ends with a Migrate chunk and the ingress resumes it on another replica
+(cluster/migration.py), so no stream is lost.
+
+The delays are applied here, per replica and per waiting request, so `ray_autoscaling
+_config` hands them to the policy and sets Ray's own delay timer (which counts
+consecutive decisions on top) to 0.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+log = logging.getLogger("ray.serve")
+
+POLICY_PATH = "cluster.autoscaling:ConsolidatingPolicy"
+DEFAULTS = {"upscale_delay_s": 1.0, "downscale_delay_s": 30.0, "metrics_interval_s": 1.0, "look_back_period_s": 3.0}
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    upscale_delay_s: float = 1.0
+    downscale_delay_s: float = 30.0
+    high_water: float = 0.9  # share of max batch or of KV blocks above which a replica is full
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    replica: str
+    running: int
+    waiting: int
+    max_batch: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    idle_since: float  # wall time the replica's last request left; 0 while it holds one
+    draining: bool
+
+    @classmethod
+    def from_report(cls, replica: str, r: dict[str, float]) -> ReplicaLoad:
+        return cls(replica, int(r["running"]), int(r["waiting"]), int(r["max_batch"]), int(r["free_kv_blocks"]),
+                   int(r["total_kv_blocks"]), float(r["idle_since"]), bool(r.get("draining", 0)))
+
+    def full(self, high_water: float) -> bool:
+        used_kv = self.total_kv_blocks - self.free_kv_blocks
+        return self.running >= high_water * self.max_batch or used_kv >= high_water * self.total_kv_blocks
+
+    def idle_for(self, now: float) -> float:
+        return now - self.idle_since if self.idle_since > 0 and self.running == self.waiting == 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    target: int
+    reason: str  # cold_start | queue | high_water | idle | hold
+    detail: str
+    idle: tuple[str, ...] = ()
+
+
+def decide(now: float, target: int, current: int, loads: list[ReplicaLoad], queued: float,
+           min_replicas: int, max_replicas: int, cfg: PolicyConfig, state: dict) -> Decision:
+    """The target replica count. ``state`` (mutated) keeps when waiting / all-full began."""
+    live = [r for r in loads if not r.draining]
+    waiting = queued + sum(r.waiting for r in live)
+    max_batch = max((r.max_batch for r in live), default=1)
+    starting = max(0, target - current)
+    need = math.ceil(waiting / max_batch) if waiting > 0 else 0
+    hot = bool(live) and all(r.full(cfg.high_water) for r in live)
+    waited = _since(state, "waiting_since", waiting > 0, now)
+    hot_for = _since(state, "full_since", hot, now)
+    if current == 0 and target == 0:
+        # no report yet says how much one replica holds: start one, the queue rule adds the rest
+        return Decision(1, "cold_start", f"{waiting:.0f} waiting, no replica") if waiting > 0 \
+            else Decision(0, "hold", "no replica, no request")
+    if waiting > 0 and waited >= cfg.upscale_delay_s and need > starting:
+        new = min(max_replicas, max(target, current + need))
+        if new > target:
+            return Decision(new, "queue", f"{waiting:.1f} requests waited {waited:.1f}s for room, "
+                                          f"{starting} replica(s) starting")
+    if hot and hot_for >= cfg.upscale_delay_s and starting == 0 and target < max_replicas:
+        return Decision(target + 1, "high_water", f"every replica above {cfg.high_water:.0%} of batch or KV "
+                                                  f"for {hot_for:.1f}s")
+    if waiting > 0 or hot or current != target:
+        return Decision(target, "hold", "busy or replicas starting/stopping")
+    idle = tuple(r.replica for r in live if r.idle_for(now) >= cfg.downscale_delay_s)
+    new = max(min_replicas, target - len(idle))
+    if new < target:
+        return Decision(new, "idle", f"{len(idle)} replica(s) idle for >= {cfg.downscale_delay_s:g}s", idle)
+    return Decision(target, "hold", "steady")
+
+
+def _since(state: dict, key: str, condition: bool, now: float) -> float:
+    """How long ``condition`` has held (0 when it does not), tracked in ``state[key]``."""
+    if not condition:
+        state[key] = None
+        return 0.0
+    if state.get(key) is None:
+        state[key] = now
+    return now - state[key]
+
+
+def latest_loads(raw_metrics: dict | None, running_replicas) -> list[ReplicaLoad]:
+    """Each running replica's newest report (ctx.raw_metrics: metric → replica → time series)."""
+    loads = []
+    for replica in running_replicas:
+        report = {}
+        for name, by_replica in (raw_metrics or {}).items():
+            series = by_replica.get(replica)
+            if series:
+                report[name] = series[-1].value
+        try:
+            loads.append(ReplicaLoad.from_report(getattr(replica, "unique_id", str(replica)), report))
+        except KeyError:  # not reported yet (starting): neither idle nor full
+            continue
+    return loads
+
+
+class ConsolidatingPolicy:
+    """Ray Serve's class-callable policy form: instantiated once in the controller with
+    the autoscaling config's `policy_kwargs`, then called with an AutoscalingContext."""
+
+    def __init__(self, upscale_delay_s: float = 1.0, downscale_delay_s: float = 30.0, high_water: float = 0.9):
+        self.cfg = PolicyConfig(upscale_delay_s, downscale_delay_s, high_water)
+        self._metrics = None
+
+    def __call__(self, ctx) -> tuple[int, dict]:
+        import time
+
+        state = {k: ctx.policy_state.get(k) for k in ("waiting_since", "full_since")}
+        loads = latest_loads(ctx.raw_metrics, ctx.running_replicas)
+        d = decide(ctx.current_time or time.time(), ctx.target_num_replicas, ctx.current_num_replicas, loads,
+                   ctx.total_queued_requests or 0.0, ctx.capacity_adjusted_min_replicas,
+                   ctx.capacity_adjusted_max_replicas, self.cfg, state)
+        self._export(ctx, d, loads)
+        if d.target != ctx.target_num_replicas:
+            log.info("autoscaling %s: %d -> %d replicas (%s: %s)%s", ctx.deployment_name, ctx.target_num_replicas,
+                     d.target, d.reason, d.detail, f"; idle: {', '.join(d.idle)}" if d.idle else "")
+        return d.target, state
+
+    def _export(self, ctx, d: Decision, loads: list[ReplicaLoad]) -> None:
+        if self._metrics is None:
+            self._metrics = _PolicyMetrics()
+        self._metrics.record(ctx.deployment_name, d, sum(r.idle_for(ctx.current_time or 0) > 0 for r in loads),
+                             changed=d.target != ctx.target_num_replicas)
+
+
+class _PolicyMetrics:
+    """Exported from the Serve controller: loraplex_autoscaler_target_replicas,
+    _replicas_idle (gauges) and _decisions{reason} (counter, changes of the target only)."""
+
+    def __init__(self):
+        from ray.util.metrics import Counter, Gauge
+
+        tags = ("deployment",)
+        self.target = Gauge("loraplex_autoscaler_target_replicas", description="Target replica count", tag_keys=tags)
+        self.idle = Gauge("loraplex_autoscaler_replicas_idle", description="Replicas holding no request",
+                          tag_keys=tags)
+        self.decisions = Counter("loraplex_autoscaler_decisions", description="Target changes by reason",
+                                 tag_keys=("deployment", "reason"))
+
+    def record(self, deployment: str, d: Decision, idle: int, changed: bool) -> None:
+        self.target.set(d.target, tags={"deployment": deployment})
+        self.idle.set(idle, tags={"deployment": deployment})
+        if changed:
+            self.decisions.inc(1, tags={"deployment": deployment, "reason": d.reason})
+
+
+def ray_autoscaling_config(user: dict) -> dict:
+    """serve_config.yaml's `replica.autoscaling_config` → what Ray Serve gets. Without a
+    `policy` of its own the deployment uses ConsolidatingPolicy: the delays move into its
+    kwargs and Ray's delay timer is zeroed, so they are not applied twice. A config that
+    names a policy (e.g. Ray's default) is passed through untouched."""
+    if "policy" in user:
+        return dict(user)
+    config = {**DEFAULTS, **user}
+    kwargs = {"upscale_delay_s": config.pop("upscale_delay_s"), "downscale_delay_s": config.pop("downscale_delay_s")}
+    if "high_water" in config:
+        kwargs["high_water"] = config.pop("high_water")
+    config.pop("downscale_to_zero_delay_s", None)
+    return {**config, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0,
+            "policy": {"policy_function": POLICY_PATH, "policy_kwargs": kwargs}}

@@ -1,0 +1,103 @@
+"""The autoscaling policy's decisions as a pure function (no Ray), and how serve_config's
+autoscaling_config becomes Ray's."""
+from app.config import parse_args
+from cluster.autoscaling import POLICY_PATH, PolicyConfig, ReplicaLoad, decide, ray_autoscaling_config
+
+CFG = PolicyConfig(upscale_delay_s=2.0, downscale_delay_s=10.0, high_water=0.9)
+
+
+def load(name, running=0, waiting=0, idle_since=0.0, free_kv=100, max_batch=8, draining=False):
+    return ReplicaLoad(name, running, waiting, max_batch, free_kv, 100, idle_since, draining)
+
+
+def run(ticks, target, current, min_r=0, max_r=8):
+    """ticks: [(now, loads, queued)] → the decisions, one shared state like the controller's."""
+    state, out = {}, []
+    for now, loads, queued in ticks:
+        d = decide(now, target, current, loads, queued, min_r, max_r, CFG, state)
+        out.append(d)
+        target = current = d.target
+    return out
+
+
+def test_waiting_requests_scale_up_after_the_delay_by_what_they_need():
+    busy = [load("a", running=8)]
+    ds = run([(0.0, busy, 20), (1.0, busy, 20), (2.5, busy, 20)], target=1, current=1)
+    assert [d.reason for d in ds] == ["hold", "hold", "queue"]
+    assert ds[-1].target == 1 + 3  # ⌈20 / 8⌉ more replicas
+
+
+def test_a_queue_that_clears_before_the_delay_adds_nothing():
+    busy = [load("a", running=7)]  # below the high-water mark: only the queue could add a replica
+    ds = run([(0.0, busy, 5), (1.5, busy, 0), (2.5, busy, 5), (4.0, busy, 5)], target=1, current=1)
+    assert all(d.target == 1 for d in ds)
+
+
+def test_replicas_already_starting_count_against_the_need():
+    state = {"waiting_since": 0.0}
+    d = decide(3.0, 3, 1, [load("a", running=8)], 12, 0, 8, CFG, state)
+    assert d.target == 3  # ⌈12 / 8⌉ = 2 needed, 2 already starting
+    d = decide(3.0, 3, 1, [load("a", running=8)], 30, 0, 8, CFG, state)
+    assert (d.reason, d.target) == ("queue", 1 + 4)
+
+
+def test_max_replicas_bounds_the_scale_up():
+    d = decide(5.0, 2, 2, [load("a", running=8), load("b", running=8)], 100, 0, 4, CFG, {"waiting_since": 0.0})
+    assert d.target == 4
+
+
+def test_every_replica_above_high_water_adds_one():
+    full = [load("a", running=8), load("b", running=2, free_kv=5)]  # batch full / KV 95 % used
+    ds = run([(0.0, full, 0), (2.5, full, 0)], target=2, current=2)
+    assert [(d.reason, d.target) for d in ds] == [("hold", 2), ("high_water", 3)]
+    one_with_room = [load("a", running=8), load("b", running=2)]
+    assert run([(0.0, one_with_room, 0), (5.0, one_with_room, 0)], target=2, current=2)[-1].target == 2
+
+
+def test_down_only_by_the_replicas_idle_for_the_delay():
+    loads = [load("a", running=3), load("b", idle_since=100.0), load("c", idle_since=105.0)]
+    assert decide(109.0, 3, 3, loads, 0, 0, 8, CFG, {}).target == 3
+    d = decide(111.0, 3, 3, loads, 0, 0, 8, CFG, {})
+    assert (d.reason, d.target, d.idle) == ("idle", 2, ("b",))
+    d = decide(116.0, 3, 3, loads, 0, 0, 8, CFG, {})
+    assert (d.target, d.idle) == (1, ("b", "c"))
+
+
+def test_never_below_min_replicas_and_scale_to_zero_when_allowed():
+    idle = [load("a", idle_since=1.0), load("b", idle_since=1.0)]
+    assert decide(50.0, 2, 2, idle, 0, 1, 8, CFG, {}).target == 1
+    assert decide(50.0, 2, 2, idle, 0, 0, 8, CFG, {}).target == 0
+    d = decide(60.0, 0, 0, [], 3, 0, 8, CFG, {})
+    assert (d.reason, d.target) == ("cold_start", 1)
+    assert decide(60.0, 0, 0, [], 0, 0, 8, CFG, {}).target == 0
+
+
+def test_no_scale_down_while_requests_wait_or_replicas_start_or_stop():
+    idle = [load("a", running=8), load("b", idle_since=1.0)]
+    assert decide(50.0, 2, 2, idle, 1, 0, 8, CFG, {}).target == 2  # something waits: b will get it
+    assert decide(50.0, 3, 2, idle, 0, 0, 8, CFG, {}).target == 3  # a third replica is starting
+    assert decide(50.0, 1, 2, idle, 0, 0, 8, CFG, {}).target == 1  # b is being stopped: not again
+
+
+def test_draining_and_unreported_replicas_are_neither_idle_nor_full():
+    loads = [load("a", running=8), load("b", idle_since=1.0, draining=True)]
+    d = decide(50.0, 2, 2, loads, 0, 0, 8, CFG, {"full_since": 0.0})
+    assert (d.reason, d.target) == ("high_water", 3)
+
+
+def test_steady_load_holds():
+    steady = [load("a", running=5)]
+    ds = run([(t, steady, 0) for t in range(0, 120, 3)], target=1, current=1)
+    assert {d.target for d in ds} == {1}
+
+
+def test_config_moves_the_delays_into_the_policy():
+    ray = ray_autoscaling_config({"min_replicas": 0, "max_replicas": 4, "upscale_delay_s": 0.5,
+                                  "downscale_delay_s": 20, "downscale_to_zero_delay_s": 60})
+    assert ray["policy"] == {"policy_function": POLICY_PATH,
+                             "policy_kwargs": {"upscale_delay_s": 0.5, "downscale_delay_s": 20}}
+    assert ray["upscale_delay_s"] == ray["downscale_delay_s"] == 0.0 and "downscale_to_zero_delay_s" not in ray
+    own = {"max_replicas": 4, "policy": {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}}
+    assert ray_autoscaling_config(own) == own
+    options = parse_args({"replica": {"autoscaling_config": {"max_replicas": 2}}}, "m").replica_options
+    assert options["autoscaling_config"]["policy"]["policy_function"] == POLICY_PATH
