@@ -52,10 +52,11 @@ class AdapterRegistry:
     def __init__(self, initial: list[AdapterSpec], location: str | None = None):
         """location: registry_path (None: in memory only)."""
         self._specs = {s.name: s for s in initial}
+        self._scanned = set(self._specs)
         self._epoch = 0
         self._store = open_store(location)
         self._added: dict[str, dict] = {}  # runtime registrations, as saved
-        self._removed: set[str] = set()  # names unregistered at run time (also from adapter_dirs)
+        self._removed: set[str] = set()  # names from adapter_dirs unregistered at run time
         saved = self._store.load() if self._store else None
         if saved:
             self._restore(saved)
@@ -94,6 +95,7 @@ class AdapterRegistry:
     def remove(self, name: str) -> bool:
         if name not in self._specs:
             return False
-        self._commit({k: v for k, v in self._added.items() if k != name}, self._removed | {name})
+        removed = self._removed | {name} if name in self._scanned else self._removed
+        self._commit({k: v for k, v in self._added.items() if k != name}, removed)
         del self._specs[name]
         return True

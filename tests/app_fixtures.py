@@ -90,3 +90,24 @@ def engine_failing_on_seed(settings):
 
     core.step = step_or_fail
     return engine
+
+
+FLAKY_ADAPTER = "flaky"  # an adapter of this name parses fine but fails its copy into a pool slot
+
+
+def engine_with_flaky_adapter_load(settings):
+    """A real engine whose pool fails to load the adapter named FLAKY_ADAPTER (as a failed
+    host→device copy would), mid-batch, while every other adapter loads as usual."""
+    from app.replica import build_async_engine
+
+    engine = build_async_engine(settings)
+    pool = engine.core.model.lora_pool
+    load = pool._load
+
+    def load_or_fail(slot, weights):
+        if weights.name == FLAKY_ADAPTER:
+            raise RuntimeError("injected adapter copy failure")
+        return load(slot, weights)
+
+    pool._load = load_or_fail
+    return engine

@@ -12,6 +12,7 @@ from app.builder import app_from_args
 from app.model.default import DEFAULT_MODEL_NAME as BASE
 from tests.app_fixtures import (APP, FAIL_SEED, config_args, engine_failing_on_seed, example_adapter_names,
                                 replica_stats, serving, wait_for)
+from tests.error_hygiene import checked_client
 
 ADAPTER = (example_adapter_names() or [BASE])[0]
 PROMPT = "Once upon a time"
@@ -27,7 +28,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server, timeout=120) as client:
+    with checked_client(base_url=server, timeout=120) as client:  # every error body checked for leaks
         yield client
 
 

@@ -170,7 +170,9 @@ def test_admin_registers_lists_and_unregisters_adapters(server, client, tmp_path
 
     import httpx
 
-    admin = httpx.Client(base_url=f"{server}/v1", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
+    from tests.error_hygiene import checked_client
+
+    admin = checked_client(base_url=f"{server}/v1", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
     for key, status in ((TENANT_KEY, 403), (ALL_KEY, 403), (None, 401)):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         assert httpx.get(f"{server}/v1/adapters", headers=headers).status_code == status
