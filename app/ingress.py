@@ -129,8 +129,12 @@ class Ingress:
     async def health(self):
         """200 once a LoraReplica answers (the ingress alone being up serves nothing), else 503."""
         response = self.replica.stats.remote()
+
+        async def answered():
+            await response
+
         try:
-            await asyncio.wait_for(asyncio.shield(response), _READY_TIMEOUT_S)
+            await asyncio.wait_for(answered(), _READY_TIMEOUT_S)
         except Exception:  # still starting, or none alive: either way not ready
             response.cancel()
             return http_errors.error_response("no replica is ready to serve yet", 503, "not_ready")
