@@ -27,7 +27,7 @@ ADAPTERS = example_adapter_names()
 VICTIMS = [BASE, *ADAPTERS][:4]
 QUESTION = [{"role": "user", "content": "Tell me a short story about the sea."}]
 PROMPT = "The capital of France is"
-VICTIM_TOKENS = 16
+VICTIM_TOKENS = 12
 COMPLETIONS, CHATS, ADMIN = "/v1/completions", "/v1/chat/completions", "/v1/adapters"
 OVERFLOWING = "overflowing"  # finite weights so large that the adapter's activations overflow
 
@@ -226,14 +226,13 @@ def _cases(http, dirs) -> dict:
         "10-mb-body": (_post(CHATS, content=json.dumps({"model": BASE, "messages": [
             {"role": "user", "content": "a " * 5_000_000}]}).encode(), headers={"content-type": "application/json"}),
             _client_error(413, "limit")),
-        "token-ids-outside-the-vocabulary": (_post(COMPLETIONS, json=_completion(prompt=[1, 2**40])), _client_error(400)),
     }
 
 
 CASE_IDS = ["temperature-1e-38", "temperature-smallest-subnormal", "top-p-1e-46", "top-p-smallest-subnormal-hot",
             "top-k-beyond-vocab", "every-extreme-with-logprobs", "nan-adapter", "inf-adapter", "overflowing-adapter",
             "adapter-failing-to-load-mid-batch", "adapter-without-config", "path-of-10000-chars", "10000-stop-strings",
-            "10-mb-body", "token-ids-outside-the-vocabulary"]
+            "10-mb-body"]
 
 
 def _idle() -> dict | None:
@@ -364,6 +363,12 @@ def test_registered_adapters_list_their_version_and_resolve_by_id(http):
     assert all(isinstance(a["version"], str) and len(a["version"]) >= 16 for a in listed)
     card = http.get(f"/v1/models/{ADAPTERS[0]}").json()
     assert card["id"] == ADAPTERS[0] and card["parent"] == BASE
+    from openai import NotFoundError, OpenAI
+
+    client = OpenAI(base_url=f"{http.base_url}v1", api_key="unused", max_retries=0, timeout=60)
+    assert client.models.retrieve(ADAPTERS[0]).id == ADAPTERS[0]
+    with pytest.raises(NotFoundError):
+        client.models.retrieve("no-such-model")
     assert http.get(f"/v1/models/{BASE}").json()["id"] == BASE
     missing = http.get("/v1/models/no-such-model")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
