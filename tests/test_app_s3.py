@@ -4,7 +4,6 @@ from S3 answers exactly what the same adapter answers from its local directory, 
 re-uploaded adapter is served with its new weights once re-registered, never the stale ones."""
 import os
 
-import httpx
 import pytest
 from openai import OpenAI
 
@@ -12,6 +11,7 @@ from app.builder import build_app
 from app.generate import EXAMPLE_ADAPTERS
 from app.model.default import DEFAULT_MODEL_NAME as BASE
 from tests.app_fixtures import APP, config_args, example_adapter_names, serving
+from tests.error_hygiene import checked_client
 
 pytest_plugins = ["tests.s3_fixtures"]
 
@@ -46,7 +46,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def admin(server):
-    return httpx.Client(base_url=f"{server}/v1", timeout=120)
+    return checked_client(base_url=f"{server}/v1", timeout=120)  # every error body checked for leaks
 
 
 def _answers(client, model: str) -> list[str]:
