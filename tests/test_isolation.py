@@ -365,7 +365,7 @@ def test_registered_adapters_list_their_version_and_resolve_by_id(http):
     assert card["id"] == ADAPTERS[0] and card["parent"] == BASE
     from openai import NotFoundError, OpenAI
 
-    client = OpenAI(base_url=f"{http.base_url}v1", api_key="unused", max_retries=0, timeout=60)
+    client = OpenAI(base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=60)
     assert client.models.retrieve(ADAPTERS[0]).id == ADAPTERS[0]
     with pytest.raises(NotFoundError):
         client.models.retrieve("no-such-model")
