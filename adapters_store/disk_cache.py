@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from adapters_store.errors import AdapterFetchError
+from adapters_store.errors import SourceResponseError
 from adapters_store.paths import make_dirs
 
 log = logging.getLogger("loraplex.adapters")
@@ -85,8 +85,8 @@ class VerifyingSink:
                 raise self._bad(f"{algo} mismatch (got {got}, expected {want})")
         return b"".join(self.parts)
 
-    def _bad(self, why: str) -> AdapterFetchError:
-        return AdapterFetchError(f"download of {self.what} failed verification: {why}; discarded", 502)
+    def _bad(self, why: str) -> SourceResponseError:
+        return SourceResponseError(f"download of {self.what} failed verification: {why}; discarded")
 
 
 class DiskCache:

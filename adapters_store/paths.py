@@ -15,17 +15,13 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.errors import InvalidRequestError
+from adapters_store.errors import AdapterUriError, UnsafePathError
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 # Leading "." is refused: no ".", "..", or names that look like our hidden temp files.
 _SEGMENT = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}$")
 _VERSION = re.compile(r"^[0-9a-f]{16,64}$")
-
-
-class UnsafePathError(InvalidRequestError):
-    """A name, key or cache path that could escape the cache root or alias another."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +60,7 @@ def parse_uri(uri: str | os.PathLike) -> S3Uri | Path:
     if scheme == "file":
         return Path(rest).absolute()
     if scheme != "s3":
-        raise InvalidRequestError(f"unsupported adapter URI scheme {scheme!r} (use s3:// or a local path)")
+        raise AdapterUriError(f"unsupported adapter URI scheme {scheme!r} (use s3:// or a local path)")
     if "%" in rest:
         raise UnsafePathError(f"URL-encoded characters are not allowed in adapter URIs: {uri!r}")
     bucket, _, key = rest.partition("/")

@@ -11,8 +11,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from adapters_store.errors import InvalidAdapterError
 from adapters_store.manifest import TARGET_MODULES, AdapterManifest, read_manifest
-from app.errors import InvalidAdapterError
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 WEIGHTS_FILE = "adapter_model.safetensors"

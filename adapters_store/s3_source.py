@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass
 
 from adapters_store.disk_cache import DiskCache, ObjectInfo, VerifyingSink
-from adapters_store.errors import AdapterFetchError, SourceChangedError
+from adapters_store.errors import (AdapterFetchError, AdapterNotFoundError, SourceChangedError, SourceResponseError,
+                                   SourceTimeoutError)
 from adapters_store.metrics import Progress
 from adapters_store.paths import NAME, S3Uri, cache_file
 from adapters_store.peft_weights import WEIGHTS_FILE
 from adapters_store.sources import (BIN_FILE, CONFIG_FILE, Snapshot, b64_to_hex, check_config_size,
                                     missing_weights, version_of)
-from app.errors import AdapterNotFoundError
 
 _NOT_FOUND = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
@@ -54,7 +54,8 @@ def make_client(cfg: S3Config):
 
 
 def fetch_error(exc: Exception, what: str) -> Exception:
-    """A boto3/botocore failure as the error the HTTP layer maps (404, 502, 503, 504)."""
+    """A boto3/botocore failure as the store's error of its kind (not found, changed, unusable
+    answer, timed out, unavailable)."""
     from botocore.exceptions import (ClientError, ConnectTimeoutError, FlexibleChecksumError, NoCredentialsError,
                                      ReadTimeoutError)
 
@@ -66,17 +67,18 @@ def fetch_error(exc: Exception, what: str) -> Exception:
         if code == "PreconditionFailed" or status == 412:
             return SourceChangedError(f"{what} changed while downloading; retry")
         if status in (401, 403):
-            return AdapterFetchError(f"{what}: access denied ({code}); check the replicas' AWS credentials", 502)
+            return SourceResponseError(f"{what}: access denied ({code}); check the replicas' AWS credentials")
         if code in _THROTTLED or status in (429, 503):
-            return AdapterFetchError(f"{what}: S3 is throttling ({code or status}); retry later", 503)
-        return AdapterFetchError(f"{what}: S3 error {status} {code}", 503 if status >= 500 else 502)
+            return AdapterFetchError(f"{what}: S3 is throttling ({code or status}); retry later")
+        kind = AdapterFetchError if status >= 500 else SourceResponseError
+        return kind(f"{what}: S3 error {status} {code}")
     if isinstance(exc, (ReadTimeoutError, ConnectTimeoutError)):
-        return AdapterFetchError(f"{what}: S3 timed out ({exc})", 504)
+        return SourceTimeoutError(f"{what}: S3 timed out ({exc})")
     if isinstance(exc, FlexibleChecksumError):
-        return AdapterFetchError(f"{what}: checksum mismatch ({exc}); discarded", 502)
+        return SourceResponseError(f"{what}: checksum mismatch ({exc}); discarded")
     if isinstance(exc, NoCredentialsError):
-        return AdapterFetchError(f"{what}: no AWS credentials found (env, profile, or instance role)", 503)
-    return AdapterFetchError(f"{what}: S3 unavailable ({type(exc).__name__}: {exc})", 503)
+        return AdapterFetchError(f"{what}: no AWS credentials found (env, profile, or instance role)")
+    return AdapterFetchError(f"{what}: S3 unavailable ({type(exc).__name__}: {exc})")
 
 
 def _client_errors() -> tuple[type[Exception], ...]:
@@ -160,7 +162,7 @@ class S3Source:
                     sink.write(chunk)
                     progress.update(len(chunk))
                     if time.monotonic() > deadline:
-                        raise AdapterFetchError(f"{what}: download exceeded {self.cfg.download_deadline_s:.0f} s", 504)
+                        raise SourceTimeoutError(f"{what}: download exceeded {self.cfg.download_deadline_s:.0f} s")
             finally:
                 body.close()
         except _client_errors() as exc:

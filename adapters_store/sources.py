@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Protocol
 
 from adapters_store.disk_cache import ObjectInfo
-from adapters_store.errors import SourceChangedError
+from adapters_store.errors import AdapterNotFoundError, InvalidAdapterError, SourceChangedError
 from adapters_store.peft_weights import WEIGHTS_FILE
-from app.errors import AdapterNotFoundError, InvalidAdapterError
 
 CONFIG_FILE = "adapter_config.json"
 BIN_FILE = "adapter_model.bin"

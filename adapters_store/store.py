@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 
 from adapters_store.disk_cache import DiskCache, DiskCacheConfig
-from adapters_store.errors import AdapterFetchError, SourceChangedError
+from adapters_store.errors import AdapterFetchError, AdapterNotFoundError, InvalidAdapterError, SourceChangedError
 from adapters_store.host_cache import HostCache, HostCacheConfig
 from adapters_store.manifest import parse_manifest
 from adapters_store.metrics import StoreMetrics
@@ -30,7 +30,6 @@ from adapters_store.peft_weights import LoraWeights, ModelShape, parse_weights
 from adapters_store.s3_source import S3Config, S3Source, make_client
 from adapters_store.single_flight import SingleFlight
 from adapters_store.sources import LocalSource, Snapshot, Source
-from app.errors import AdapterNotFoundError, InvalidAdapterError
 
 _MAX_REMEMBERED_FAILURES = 4096
 
@@ -222,6 +221,6 @@ class AdapterStore:
             self.metrics.error(type(exc).__name__)
             self._remember(name, gen, error=exc)
             raise
-        except AdapterFetchError as exc:
-            self.metrics.error(type(exc).__name__)
+        except AdapterFetchError:
+            self.metrics.error(AdapterFetchError.__name__)  # one counter for every kind of transient failure
             raise

@@ -11,17 +11,7 @@ import hmac
 from dataclasses import dataclass
 
 from app.config import ApiKey
-from app.errors import LoraplexError
-
-
-class AuthenticationError(LoraplexError):
-    status = 401
-    code = "invalid_api_key"
-
-
-class PermissionDeniedError(LoraplexError):
-    status = 403
-    code = "permission_denied"
+from app.errors import AuthenticationError, PermissionDeniedError
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,15 @@
-"""Errors a caller can act on; each carries the HTTP status the ingress maps it to."""
+"""The serving app's own errors, and the store's re-exported under the names the app
+uses. Each is answered with the status and code app/http_errors.py gives its class."""
+from adapters_store.errors import (AdapterError, AdapterFetchError, AdapterNotFoundError, AdapterUriError,
+                                   InvalidAdapterError, LoraplexError, SourceChangedError, SourceResponseError,
+                                   SourceTimeoutError, UnsafePathError)
 
-
-class LoraplexError(Exception):
-    status = 400
-    code = "invalid_request_error"
+__all__ = [
+    "LoraplexError", "InvalidRequestError", "ContextLengthError", "BodyTooLargeError", "AuthenticationError",
+    "PermissionDeniedError", "RegistryUnavailableError", "OverloadedError",
+    "AdapterError", "AdapterNotFoundError", "InvalidAdapterError", "AdapterUriError", "UnsafePathError",
+    "AdapterFetchError", "SourceTimeoutError", "SourceResponseError", "SourceChangedError",
+]
 
 
 class InvalidRequestError(LoraplexError):
@@ -11,15 +17,24 @@ class InvalidRequestError(LoraplexError):
 
 
 class ContextLengthError(InvalidRequestError):
-    code = "context_length_exceeded"
+    """The prompt (plus max_tokens) does not fit the model's context."""
 
 
-class AdapterNotFoundError(LoraplexError):
-    status = 404
-    code = "model_not_found"
+class BodyTooLargeError(LoraplexError):
+    """The request body passed the ingress's size limit."""
 
 
-class InvalidAdapterError(LoraplexError):
-    """The adapter exists but cannot be served (bad config, shapes, rank, files)."""
+class AuthenticationError(LoraplexError):
+    """An API key is needed and is missing or wrong."""
 
-    code = "invalid_adapter"
+
+class PermissionDeniedError(LoraplexError):
+    """The key is valid but not for this route."""
+
+
+class RegistryUnavailableError(LoraplexError):
+    """The adapter registry could not be saved or read: nothing was changed."""
+
+
+class OverloadedError(LoraplexError):
+    """Too many requests are waiting for a replica: retry later."""

@@ -1,5 +1,6 @@
 """Every error leaves the API in OpenAI's shape:
 `{"error": {"message", "type", "param", "code"}}`, with a 4xx for bad input.
+``ANSWERS`` is the one place an error class gets its HTTP status and code.
 """
 from __future__ import annotations
 
@@ -11,9 +12,33 @@ from pydantic import BaseModel, ValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from app.errors import LoraplexError
+from app.errors import (AdapterError, AdapterFetchError, AdapterNotFoundError, AuthenticationError, BodyTooLargeError,
+                        ContextLengthError, InvalidAdapterError, LoraplexError, OverloadedError,
+                        PermissionDeniedError, RegistryUnavailableError, SourceResponseError, SourceTimeoutError)
 
 log = logging.getLogger("ray.serve")
+
+# error class → (HTTP status, OpenAI error code); a class not listed answers as its nearest listed base.
+# The adapter source's failures answer as a gateway would: 503 unavailable, 504 timed out, 502 bad answer.
+ANSWERS: dict[type[LoraplexError], tuple[int, str]] = {
+    LoraplexError: (400, "invalid_request_error"),
+    ContextLengthError: (400, "context_length_exceeded"),
+    AuthenticationError: (401, "invalid_api_key"),
+    PermissionDeniedError: (403, "permission_denied"),
+    BodyTooLargeError: (413, "request_too_large"),
+    RegistryUnavailableError: (503, "registry_unavailable"),
+    OverloadedError: (503, "overloaded"),
+    AdapterError: (400, "invalid_request_error"),
+    AdapterNotFoundError: (404, "model_not_found"),
+    InvalidAdapterError: (400, "invalid_adapter"),
+    AdapterFetchError: (503, "adapter_unavailable"),
+    SourceTimeoutError: (504, "adapter_unavailable"),
+    SourceResponseError: (502, "adapter_unavailable"),
+}
+
+
+def status_and_code(exc: LoraplexError) -> tuple[int, str]:
+    return next(ANSWERS[cls] for cls in type(exc).__mro__ if cls in ANSWERS)
 
 
 def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict:
@@ -23,11 +48,6 @@ def error_body(message: str, status: int, code: str | None = None, param: str | 
 
 def error_response(message: str, status: int, code: str | None = None, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, code, param), status_code=status)
-
-
-class BodyTooLargeError(LoraplexError):
-    status = 413
-    code = "request_too_large"
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -92,13 +112,13 @@ def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
 
 def _loraplex_error(_: Request, exc: LoraplexError) -> JSONResponse:
     exc = loraplex_cause(exc) or exc
-    return error_response(str(exc), exc.status, exc.code)
+    return error_response(str(exc), *status_and_code(exc))
 
 
 def _any_error(_: Request, exc: Exception) -> JSONResponse:
     cause = loraplex_cause(exc)
     if cause is not None:
-        return error_response(str(cause), cause.status, cause.code)
+        return error_response(str(cause), *status_and_code(cause))
     log.exception("unhandled error", exc_info=exc)
     return error_response("internal server error", 500, "internal_error")
 

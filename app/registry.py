@@ -19,13 +19,8 @@ from pathlib import Path
 
 from ray import serve
 
-from app.errors import LoraplexError
+from app.errors import RegistryUnavailableError
 from app.registry_store import FORMAT, open_store
-
-
-class RegistryUnavailableError(LoraplexError):
-    status = 503
-    code = "registry_unavailable"
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from adapters_store.disk_cache import DiskCache, DiskCacheConfig, ObjectInfo
+from adapters_store.errors import AdapterUriError
 from adapters_store.paths import S3Uri, UnsafePathError, cache_file, check_name, parse_uri
 from adapters_store.store import AdapterStore
-from app.errors import InvalidRequestError
 from tests.store_helpers import store_config, upload_dir, write_adapter
 
 pytest_plugins = ["tests.s3_fixtures"]  # fixtures: s3, shape
@@ -27,16 +27,16 @@ BAD_NAMES = ["", "..", "../x", "/abs", "a/b", ".hidden", "%2e%2e", "a\\b", "a b"
 
 @pytest.mark.parametrize("uri", BAD_URIS)
 def test_unsafe_uris_are_rejected(uri):
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(AdapterUriError):
         parse_uri(uri)
 
 
 @pytest.mark.parametrize("name", BAD_NAMES)
 def test_unsafe_names_are_rejected(name, tmp_path, shape):
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(AdapterUriError):
         check_name(name)
     st = AdapterStore(shape, store_config("http://127.0.0.1:9", tmp_path))
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(AdapterUriError):
         st.register(name, "s3://bkt/a/")
     assert st.names() == []
     st.close()
@@ -106,9 +106,9 @@ def test_store_writes_nothing_outside_its_cache_root(tmp_path, s3, shape):
     x, y = st.get("x"), st.get("y")
     assert x.version != y.version and not torch.equal(x.tensors[0, "q_proj"][0], y.tensors[0, "q_proj"][0])
     for attempt in ("../x", "..%2fx", "%2e%2e", "/etc/passwd", "a/../../x"):
-        with pytest.raises(InvalidRequestError):
+        with pytest.raises(AdapterUriError):
             st.register(attempt, f"s3://{bucket}/a/")
-        with pytest.raises(InvalidRequestError):
+        with pytest.raises(AdapterUriError):
             st.register("ok", f"s3://{bucket}/{attempt}")
     files = [p for p in sandbox.rglob("*") if p.is_file()]
     assert len(files) == 2 and all(p.is_relative_to(sandbox / "cache" / "s3" / bucket) for p in files)
