@@ -2,12 +2,12 @@
 
     python benchmarks/sgmv_variants.py --variant base= --variant new=SOME_MACRO \
         [--variant c8=:split=8] [--config 64,identical,512[,H_IN] ...] [--read-flush] [--no-check] \
-        [--out benchmarks/results/trace_runs/NAME.json]
+        [--out /tmp/NAME.json]
 
 A variant is NAME=DEFINE[,DEFINE...][:option=value...][@KERNEL_DIR]: the kernel built with
 those -D macros (from KERNEL_DIR's sources, e.g. an older commit's ops/kernels, instead of
-the tree's), and add_lora's forced options (split=N, warps=N, groups=N; extra_items=1 for a build
-before 2026-12-01's fourth session, whose item list also held row block 0; smem=BYTES of
+the tree's), and add_lora's forced options (split=N, warps=N, groups=N; extra_items=1 for an older
+build whose item list still holds row block 0, which needs one cluster more; smem=BYTES of
 dynamic shared memory per block, to cap how many blocks share an SM; policy=N the
 cluster scheduling policy, 1 spread, 2 load balancing: give such a variant a -D of its own,
 as variants with the same -D share one compiled function; arch=80 the kernels and grid

@@ -12,7 +12,7 @@ SPLIT = 8  # blocks sharing one work item: split-K in the shrink, split-N in the
 _FUSED_SHAPES = {
     16: ((16, 4, 2.1), (8, 4, 2.1), (4, 4, float("inf"))),
     # rank 64 decode: clusters of 8 at every larger grid too, several waves of them (Distinct
-    # B = 40..255: -0.8 to -13 µs against 4; benchmarks/results/trace_runs/variants_rank_split.json).
+    # B = 40..255: -0.8 to -13 µs against 4; trace_runs/variants_rank_split.json).
     # Not ranks 32 (4 as fast or up to 5 µs faster) nor 128 (4 best at B = 48, 64, 255; 8 at 128)
     (16, 64): ((16, 4, 2.1), (8, 4, float("inf"))),
     # 32-row prefill items: every block gathers its peers' 32-row partials, so wide clusters
@@ -23,13 +23,14 @@ _FUSED_SHAPES = {
 # Rank groups (sm_90, kernels/sgmv.cu): G clusters per item, each summing 1/G of v's ranks, for
 # decode grids of few items at rank tiles 64 and 128, where one cluster per item leaves most SMs
 # idle: (groups, cluster width, most items, fewest rows per item on average). Measured on the
-# H200 (benchmarks/results/trace_runs/variants_groups.json): rank 128 Identical B=16 17.5 ->
+# H200 (trace_runs/variants_groups.json): rank 128 Identical B=16 17.5 ->
 # 13.5 µs, at h_in 11008 22.1 -> 15.1, Distinct B=3 14.1 -> 13.3; from 6 items on no gain. Rank 64
 # Identical B=16 11.9 -> 10.8 and B=64 (4 items) 12.0 -> 11.5, but one-row items lose (Distinct
 # B=2 10.2 -> 10.7; and Uniform B=16, 4 rows per item, 10.7 -> 11.5): their partials are small, so
 # a cluster exchanges them cheaply. Rank 32 loses everywhere (Identical B=16 10.1 -> 10.9;
 # variants_groups_r32.json, variants_groups_r64.json). Sliced launches count the items of all
-# slices (gate|up r128 one adapter B=16 24.3 -> 16.4 µs; sgmv_sliced_h200_r64_r128.json).
+# slices (gate|up r128 one adapter B=16 24.3 -> 16.4 µs; benchmarks/results/sgmv_sliced_h200.json
+# holds the 16.4).
 _GROUPED = {64: ((4, 8, 4, 8),), 128: ((4, 16, 4, 1),)}
 _FORCEABLE_GROUPS = (2, 4)
 # add_lora before sm_90: split-K over blocks whose partials meet in L2 (kernels/exchange.cuh).

@@ -59,7 +59,7 @@ __device__ __forceinline__ uint4 ldg16(const void* p, bool ok) {
 }
 
 // 16-byte store. Spelled out: from ExpandLanes' addresses the compiler split some plain
-// uint4 stores into four 4-byte ones (benchmarks/results/trace_runs/variants_expand_lanes.json).
+// uint4 stores into four 4-byte ones (trace_runs/variants_expand_lanes.json).
 __device__ __forceinline__ void stg16(void* p, uint4 v) {
   asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
@@ -69,7 +69,7 @@ __device__ __forceinline__ void stg16(void* p, uint4 v) {
 // stay. Measured on the H200 behind the benchmark's write flush: -3 to -10% from 16 MiB
 // of weights up (likely the later misses evict these clean lines, not dirty ones). A miss
 // fetches the whole 128-byte line (.L2::128B), which the lane's neighbours read anyway:
-// -0.1 to -0.45 µs at ranks 16 and 32 (benchmarks/results/trace_runs/
+// -0.1 to -0.45 µs at ranks 16 and 32 (trace_runs/
 // variants_l2_prefetch_size.json; 256 bytes the same, but r64 B=1 +0.1).
 __device__ __forceinline__ uint4 ldg16_stream(const void* p, bool ok) {
   // Predicated inside the asm: as a branch around each load it cost ~15 instructions (the

@@ -84,18 +84,18 @@ __device__ __forceinline__ void sgmv_body(const SgmvArgs& a, int item) {
   // latency-bound): 4, not 2, so the step's 8 chunks come in two round trips and the shrink keeps
   // the whole budget (the early loads no longer fit; H200 Identical B=16 -2 µs, Distinct B=1
   // -1.6). Not in clusters of 4 (many items): Distinct B=64 +3 µs without the early loads
-  // (benchmarks/results/trace_runs/variants_r128.json).
+  // (trace_runs/variants_r128.json).
   constexpr int KC = RMAX == 128 && MT == 1 && W == 4 && SPLIT >= 8 ? 4 : TL::KC;
   constexpr int STEP_LOADS = 4 * MT + 4 * KC;  // 16-byte loads per lane of one expand step
   // Decode tiles, where registers allow: the expand's first loads (B does not depend on v)
   // fly with the shrink's. (Streaming all of B beside A through shared memory was slower:
-  // benchmarks/results/trace_runs.)
+  // trace_runs/.)
   constexpr bool EARLY = MODE == EXPAND || (MODE == FUSED && MT == 1 && 2 * STEP_LOADS <= BUDGET);
   // Early-loading tiles push each block's partial of v into every peer (st.async, counted by
   // the peer's mbarrier) where the copies fit, so neither a cluster barrier nor a remote read
   // lies between the last partial and the expand (H200: -0.1 to -0.4 µs at ranks 16 and 32).
   // Not the others: with the expand's loads issued after the shrink, it was slower (rank 64
-  // Distinct B=16: +0.6 µs; benchmarks/results/trace_runs/variants_async_push.json).
+  // Distinct B=16: +0.6 µs; trace_runs/variants_async_push.json).
   constexpr bool PUSH = CLUSTER && EARLY && G == 1;
   // Rank 16 in clusters of 4 (4 expand steps per warp at h_out 4096): the expand's steps
   // as a ring of 2 (expand_ring), the second loaded while the cluster's partials meet (H200

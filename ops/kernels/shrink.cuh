@@ -63,7 +63,7 @@ __device__ __forceinline__ void shrink_partial(const SgmvArgs& a, const Piece& p
   // whole line of 4 rows, and trade halves (exchange_pair): half the requests for the same
   // bytes (H200 Distinct B16 -0.3 to -0.4, B32 -0.8 to -1.0 us in four runs). Not at ranks
   // 16 and 32, where whole lines gained nothing and the exchange cost r16 B1 +0.55, nor 128
-  // (+0.03 to +0.15), nor in clusters of 4 (spills; benchmarks/results/trace_runs/
+  // (+0.03 to +0.15), nor in clusters of 4 (spills; trace_runs/
   // variants_full_lines.json, variants_whole_lines_ab.json).
   constexpr bool WHOLE = MT == 1 && RS == 64 && SPLIT >= 8;
   const int hi = RS == RMAX ? pc.rank : min(pc.rank, lo + RS);
