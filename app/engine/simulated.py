@@ -4,7 +4,8 @@ benchmarks that need exact control of step time, or more replicas than CPU cores
 The real Scheduler and BlockAllocator decide batches, KV use and preemptions; a step
 then sleeps ``StepTime(batch, tokens)`` instead of running a model, and each request's
 next token is a fixed function of its prompt and position, so a migrated or resumed
-stream continues exactly as the uninterrupted one would. Adapters are names only.
+stream continues exactly as the uninterrupted one would; its text is " <token id>" per
+token. Adapters are names only.
 """
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ class SimulatedCore:
         if done:
             del self._seqs[seq.request_id]
             self._remove(seq)
-        return TokenChunk(seq.request_id, (token,), "", None, "length" if done else None,
+        return TokenChunk(seq.request_id, (token,), f" {token}", None, "length" if done else None,
                           len(seq.prompt_ids), len(seq.output_ids))
 
     def _remove(self, seq: Sequence) -> None:
@@ -152,3 +153,10 @@ class SimulatedCore:
             "resident_adapters": [], "steps": self.steps, "max_batch_seen": self.max_batch_seen,
             "tokens_computed": 0,
         }
+
+
+def simulated_engine(step_time: StepTime, settings):
+    """An engine_factory for LoraReplica (bind it with functools.partial)."""
+    from app.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(SimulatedCore(settings.engine, step_time), migrate_locally=settings.migrate_locally)
