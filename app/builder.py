@@ -31,8 +31,15 @@ def app_from_args(args: dict | None, engine_factory: Callable = build_async_engi
     adapters = tuple(scan(settings.adapter_dirs))
     registry = AdapterRegistry.bind(list(adapters), settings.registry_path)
     replica = LoraReplica.options(**settings.replica_options).bind(
-        ReplicaSettings(settings.model, settings.engine, adapters), registry, engine_factory)
+        ReplicaSettings(settings.model, settings.engine, adapters, _single_replica(settings.replica_options)),
+        registry, engine_factory)
     return Ingress.options(**settings.ingress_options).bind(settings, replica, registry)
+
+
+def _single_replica(options: dict) -> bool:
+    """A preempted request can only re-queue where it is; with several (or autoscaled)
+    replicas it moves to another one (cluster/migration.py)."""
+    return options.get("num_replicas") == 1 and "autoscaling_config" not in options
 
 
 def _warm_default_model() -> None:

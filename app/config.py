@@ -54,6 +54,16 @@ class DeploymentArgs(_Strict):
         return {**defaults, **given}
 
 
+class ClusterArgs(_Strict):
+    """Routing and migration across LoraReplica replicas (cluster/)."""
+
+    reserve_kv_blocks: int = Field(1, ge=0)  # free KV blocks a replica keeps beyond a new prompt's
+    routing_stats_period_s: float = Field(0.5, gt=0)  # how often the router reads each replica's stats
+    max_queued_requests: int = Field(1024, ge=-1)  # waiting for room beyond this → 503 (-1: unbounded)
+    max_migrations: int = Field(8, ge=0)  # moves per request (migrations + failovers) before it fails
+    failover_wait_s: float = Field(60.0, gt=0)  # how long a moved request waits for a replica to take it
+
+
 class AppArgs(_Strict):
     model: str | None = None  # HF checkpoint directory; None = the embedded SmolLM2-135M-Instruct
     model_name: str | None = None  # the base model's `model` id in the API
@@ -71,6 +81,7 @@ class AppArgs(_Strict):
     adapter_dirs: list[str] = []
     replica: DeploymentArgs = DeploymentArgs()
     ingress: DeploymentArgs = DeploymentArgs()
+    cluster: ClusterArgs = ClusterArgs()
     api_keys: list[ApiKeyArgs] = []
     admin_key: str | None = Field(None, min_length=8)
     max_body_bytes: int = Field(4 * 2**20, ge=1024)  # a larger request body is refused with a 413
@@ -97,6 +108,8 @@ class Settings:
     ingress_options: dict
     max_body_bytes: int = 4 * 2**20
     registry_path: str | None = None
+    max_migrations: int = 8
+    failover_wait_s: float = 60.0
 
 
 def _describe(error: ValidationError) -> str:
@@ -117,10 +130,26 @@ def _adapter_dirs(dirs: list[str]) -> tuple[str, ...]:
     return tuple(resolved)
 
 
-def _replica_options(replica: DeploymentArgs, max_ongoing: int) -> dict:
+def cluster_options(c: ClusterArgs, engine: EngineConfig) -> dict:
+    """The consolidating router (cluster/router.py) and its queue bound, as Serve options."""
+    return {
+        "max_queued_requests": c.max_queued_requests,
+        "request_router_config": {
+            "request_router_class": "cluster.router:ConsolidatingRouter",
+            "request_router_kwargs": {"reserve_blocks": c.reserve_kv_blocks, "max_batch": engine.max_num_seqs,
+                                      "block_size": engine.block_size},
+            "request_routing_stats_period_s": c.routing_stats_period_s,
+            # a request waiting for room is retried at least this often
+            "initial_backoff_s": 0.01, "max_backoff_s": 0.05,
+        },
+    }
+
+
+def _replica_options(replica: DeploymentArgs, max_ongoing: int, cluster: ClusterArgs, engine: EngineConfig) -> dict:
     """LoraReplica's Serve options; an autoscaling config gets the consolidation-aware
     policy unless it names its own (cluster/autoscaling.py)."""
     options = replica.options(num_replicas=1, max_ongoing_requests=max_ongoing)
+    options.update(cluster_options(cluster, engine))
     if "autoscaling_config" in options:
         options["autoscaling_config"] = ray_autoscaling_config(options["autoscaling_config"])
     return options
@@ -143,8 +172,9 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         model=a.model, model_name=name, engine=engine, adapter_dirs=_adapter_dirs(a.adapter_dirs), api_keys=keys,
         admin_key=a.admin_key,
         # The engine batches many requests: Serve's default of 5 in flight per replica would starve it.
-        replica_options=tensor_parallel_options(_replica_options(a.replica, 4 * a.max_batch_size),
+        replica_options=tensor_parallel_options(_replica_options(a.replica, 4 * a.max_batch_size, a.cluster, engine),
                                                 a.tensor_parallel_size, a.device),
         ingress_options=a.ingress.options(num_replicas=1, max_ongoing_requests=1024),
         max_body_bytes=a.max_body_bytes, registry_path=a.registry_path,
+        max_migrations=a.cluster.max_migrations, failover_wait_s=a.cluster.failover_wait_s,
     )

@@ -31,7 +31,8 @@ from app.openai_requests import ChatCompletionRequest, CompletionRequest
 from app.openai_responses import Formatter
 from app.protocol import GenerateRequest
 from app.registry import AdapterSpec
-from app.relay import ChunkStream, collect, sse_events
+from app.relay import collect, sse_events
+from cluster.migration import MigrationPolicy, ResubmittingStream, with_fixed_seed
 
 api = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
 http_errors.install(api)
@@ -58,6 +59,7 @@ class Ingress:
         self.context_limit = min(settings.engine.max_model_len or model_len, kv_tokens)
         self.auth = Auth(settings.api_keys, settings.admin_key)
         self.generate_on_replica = replica.options(stream=True).generate
+        self.migration = MigrationPolicy(settings.max_migrations, settings.failover_wait_s)
         self.replica = replica
         self._prepare_pool = ThreadPoolExecutor(_PREPARE_THREADS, thread_name_prefix="prepare")
         self._local = threading.local()  # one tokenizer per pool thread: HF tokenizers are not re-entrant
@@ -106,9 +108,10 @@ class Ingress:
         default_max = None if chat else _LEGACY_DEFAULT_MAX_TOKENS
         params = body.sampling(len(ids), self.context_limit, default_max, logprobs)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        request = GenerateRequest(request_id, tuple(ids), params, adapter.name if adapter else None)
-        generator = self.generate_on_replica.remote(request, adapter, epoch)
-        stream = await ChunkStream.open(generator)  # validation errors raise here, before any bytes go out
+        request = with_fixed_seed(GenerateRequest(request_id, tuple(ids), params, adapter.name if adapter else None))
+        submit = lambda r: self.generate_on_replica.remote(r, adapter, epoch)  # noqa: E731
+        # validation errors raise here, before any bytes go out; later the stream moves between replicas
+        stream = await ResubmittingStream.open(submit, request, self.migration)
         fmt = Formatter(request_id, body.model, self.tokenizer, chat, logprobs is not None)
         if body.stream:
             return StreamingResponse(sse_events(fmt, stream, body.include_usage), media_type="text/event-stream")

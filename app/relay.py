@@ -1,6 +1,7 @@
-"""Relay a replica's chunk stream to the HTTP client: as SSE events, or collected
-into one response. Leaving early (client gone, error) cancels the replica call,
-which aborts the request in the engine and frees its KV blocks."""
+"""Relay a request's chunk stream (cluster/migration.py's ResubmittingStream: one
+stream however often the request moves between replicas) to the HTTP client, as SSE
+events or collected into one response. Leaving early (client gone, error) cancels
+the replica call, which aborts the request in the engine and frees its KV blocks."""
 from __future__ import annotations
 
 import logging
@@ -9,43 +10,12 @@ from typing import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
-from app.errors import LoraplexError
 from app.http_errors import error_body, error_response
 from app.openai_responses import Formatter, Output, sse
 from app.protocol import ErrorChunk, TokenChunk
+from cluster.migration import ResubmittingStream
 
 log = logging.getLogger("ray.serve")
-
-
-class ChunkStream:
-    """A replica's DeploymentResponseGenerator, with its first chunk already awaited:
-    validation errors raise from `open` before any HTTP response starts."""
-
-    def __init__(self, generator, first):
-        self.generator = generator
-        self.first = first
-
-    @classmethod
-    async def open(cls, generator) -> "ChunkStream":
-        try:
-            first = await generator.__anext__()
-        except BaseException:
-            generator.cancel()
-            raise
-        if isinstance(first, LoraplexError):  # the replica rejected the request
-            raise first
-        return cls(generator, first)
-
-    async def chunks(self) -> AsyncIterator:
-        done = False
-        try:
-            yield self.first
-            async for chunk in self.generator:
-                yield chunk
-            done = True
-        finally:
-            if not done:
-                self.generator.cancel()
 
 
 def _failure(chunk) -> tuple[str, int] | None:
@@ -58,7 +28,7 @@ def _failure(chunk) -> tuple[str, int] | None:
     return None
 
 
-async def sse_events(fmt: Formatter, stream: ChunkStream, include_usage: bool) -> AsyncIterator[str]:
+async def sse_events(fmt: Formatter, stream: ResubmittingStream, include_usage: bool) -> AsyncIterator[str]:
     """SSE events ending with `data: [DONE]`; a failure mid-stream becomes an error event first."""
     try:
         opening = fmt.first_chunk()
@@ -79,7 +49,7 @@ async def sse_events(fmt: Formatter, stream: ChunkStream, include_usage: bool) -
     yield sse("[DONE]")
 
 
-async def collect(fmt: Formatter, stream: ChunkStream) -> JSONResponse:
+async def collect(fmt: Formatter, stream: ResubmittingStream) -> JSONResponse:
     out = Output()
     async with aclosing(stream.chunks()) as chunks:
         async for chunk in chunks:

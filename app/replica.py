@@ -20,8 +20,9 @@ from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine_metrics import EngineMetrics
 from app.errors import AdapterNotFoundError, LoraplexError
-from app.protocol import Chunk, GenerateRequest
+from app.protocol import Accepted, Chunk, GenerateRequest, Migrate
 from app.registry import AdapterSpec
+from cluster.stats import ReplicaStats
 
 log = logging.getLogger("ray.serve")
 
@@ -31,13 +32,14 @@ class ReplicaSettings:
     model: str | None  # None = the embedded default model
     engine: EngineConfig
     adapters: tuple[AdapterSpec, ...]  # registered at start-up
+    migrate_locally: bool = True  # a preempted request re-queues here; False: it moves to another replica
 
 
 def build_async_engine(settings: ReplicaSettings) -> AsyncEngine:
     from app.engine.factory import build_engine
 
     core = build_engine(settings.model, settings.engine, {s.name: s.path for s in settings.adapters})
-    return AsyncEngine(core)
+    return AsyncEngine(core, migrate_locally=settings.migrate_locally)
 
 
 def _stats(core) -> dict:
@@ -49,17 +51,24 @@ class LoraReplica:
     def __init__(self, settings: ReplicaSettings, registry, engine_factory: Callable = build_async_engine):
         """registry: a handle to AdapterRegistry; engine_factory(settings) → an AsyncEngine (a seam for tests)."""
         self.started_at = time.time()
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.block_size = settings.engine.block_size
         self.engine = engine_factory(settings)
         self.registry = registry
         self.store = self.engine.core.adapters  # the engine's AdapterStore (thread-safe: used from here)
         self.specs = {s.name: s for s in settings.adapters}  # what this replica registered, by name
         self.epoch = 0  # the registry epoch this replica last synced with
-        self.draining = False  # set by scale-down (cluster/) once this replica must empty
+        self.draining = False  # set by drain(): the router sends nothing new, running requests move
         self.metrics = EngineMetrics(self.engine).start()  # the engine's Prometheus series (app/engine_metrics.py)
 
     async def generate(self, request: GenerateRequest, adapter: AdapterSpec | None,
                        epoch: int) -> AsyncIterator[Chunk | LoraplexError]:
-        """The request's chunks, or (instead of any) the LoraplexError that rejected it."""
+        """Accepted(this replica), then the request's chunks or the LoraplexError that rejected it."""
+        yield Accepted(self.replica_id)
+        if self.draining:  # routed here before the router saw the drain: move on at once
+            yield Migrate(request.request_id, request.prompt_token_ids, request.resume_token_ids,
+                          request.params.seed or 0, "draining")
+            return
         try:
             await self._sync(epoch)
             if adapter is not None:
@@ -85,14 +94,24 @@ class LoraReplica:
         """The engine's counters and loaded adapters, read on its own thread (exact, not a stale snapshot)."""
         return await asyncio.wrap_future(self.engine.call(_stats))
 
-    async def record_routing_stats(self) -> dict:
-        """Serve polls this for the request router (the routing-stats contract of DESIGN.md)."""
+    async def routing_stats(self) -> ReplicaStats:
         s = await self.stats()
-        return {
-            "running": s["running"], "waiting": s["waiting"], "max_batch": s["max_batch"],
-            "free_kv_blocks": s["free_kv_blocks"], "total_kv_blocks": s["total_kv_blocks"],
-            "resident_adapters": s["resident_adapters"], "draining": self.draining, "started_at": self.started_at,
-        }
+        return ReplicaStats(
+            running=s["running"], waiting=s["waiting"], max_batch=s["max_batch"], free_kv_blocks=s["free_kv_blocks"],
+            total_kv_blocks=s["total_kv_blocks"], block_size=self.block_size,
+            resident_adapters=tuple(s["resident_adapters"]), draining=self.draining, started_at=self.started_at,
+            reported_at=time.time())
+
+    async def record_routing_stats(self) -> dict:
+        """Serve polls this for the request router (cluster/stats.py, the routing-stats contract)."""
+        return (await self.routing_stats()).to_dict()
+
+    async def drain(self) -> int:
+        """Empty this replica: the router sends it nothing new and each running request ends
+        its stream with Migrate(reason="draining"), so the ingress moves it elsewhere. The
+        number of requests moved."""
+        self.draining = True
+        return await asyncio.wrap_future(self.engine.drain())
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve pushes this to the autoscaling policy (cluster/autoscaling.py) every

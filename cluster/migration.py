@@ -76,7 +76,7 @@ class ResubmittingStream:
         self.policy = policy
         self.token_ids: list[int] = []  # relayed to the client
         self.text_chars = 0
-        self.moves = 0
+        self.moves: list[tuple[str, int]] = []  # (reason, tokens relayed) per move
         self.failed: tuple[str, ...] = ()
         self.replica: str | None = None
         self.stopping = asyncio.Event()
@@ -117,10 +117,10 @@ class ResubmittingStream:
         """Re-submit after the replica stream ended unfinished: the new stream's first item,
         or an ErrorChunk that ends the request."""
         self._release(cancel=True)
-        self.moves += 1
+        self.moves.append((reason, len(self.token_ids)))
         _migrations.inc(tags={"reason": reason})
-        if self.moves > self.policy.max_migrations:
-            return ErrorChunk(self.request.request_id, f"the request was moved between replicas {self.moves - 1} "
+        if len(self.moves) > self.policy.max_migrations:
+            return ErrorChunk(self.request.request_id, f"the request was moved between replicas {len(self.moves) - 1} "
                               f"times (limit max_migrations) without finishing: no replica has room for it", 503)
         log.info("moving %s off %s (%s) after %d tokens", self.request.request_id, self.replica, reason,
                  len(self.token_ids))

@@ -80,6 +80,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    def drain(self) -> Future:
+        """End every request's stream with Migrate(reason="draining"); a Future of how many."""
+        return self.call(lambda core: self._evict_all(core.evict_all("draining")))
+
     def call(self, fn, *args):
         """Run fn(core, *args) on the engine thread (e.g. to register an adapter); a Future."""
         done: Future = Future()
@@ -153,7 +157,7 @@ class AsyncEngine:
         if stream is None:
             return
         self._record(stream, chunk)
-        if isinstance(chunk, Migrate) and self.migrate_locally:
+        if isinstance(chunk, Migrate) and self.migrate_locally and chunk.reason != "draining":
             stream.request = stream.request.resumed(chunk)
             self.core.add(stream.request, front=True)
             return
@@ -180,6 +184,11 @@ class AsyncEngine:
                 stream.last_token = now
             if chunk.finish_reason is not None:
                 t.finished(chunk.finish_reason)
+
+    def _evict_all(self, migrates: list[Migrate]) -> int:
+        for chunk in migrates:
+            self._deliver(chunk)
+        return len(migrates)
 
     def _fail_all(self, exc: Exception) -> list[Chunk]:
         failed = []

@@ -49,7 +49,7 @@ class EngineCore:
         self._validate(request)
         seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
         seq = Sequence(request, seed, next(self._arrivals), adapter)
-        seq.detok = Detokenizer(self.tokenizer, request.params.stop, seq.output_ids)
+        seq.detok = Detokenizer(self.tokenizer, request.params.stop, seq.output_ids, request.resume_text_chars)
         self._seqs[request.request_id] = seq
         (self.scheduler.waiting.appendleft if front else self.scheduler.waiting.append)(seq)
 
@@ -116,9 +116,19 @@ class EngineCore:
     def _chunk(self, seq, token_ids, text, logprobs, finish_reason) -> TokenChunk:
         return TokenChunk(seq.request_id, token_ids, text, logprobs, finish_reason, len(seq.prompt_ids), len(seq.output_ids))
 
-    def _migrate(self, seq: Sequence) -> Migrate:
+    def _migrate(self, seq: Sequence, reason: str = "kv_cache_exhausted") -> Migrate:
         del self._seqs[seq.request_id]
-        return Migrate(seq.request_id, seq.prompt_ids, tuple(seq.output_ids), seq.seed, "kv_cache_exhausted")
+        return Migrate(seq.request_id, seq.prompt_ids, tuple(seq.output_ids), seq.seed, reason)
+
+    def evict_all(self, reason: str) -> list[Migrate]:
+        """End every request unfinished (the replica is draining): each Migrate carries what it
+        generated so far, its KV blocks are freed."""
+        out = []
+        for seq in list(self._seqs.values()):
+            self._drop(seq)
+            self._seqs[seq.request_id] = seq  # _migrate removes it again
+            out.append(self._migrate(seq, reason))
+        return out
 
     def _fail(self, seq: Sequence, message: str) -> ErrorChunk:
         """End one request for a reason of its own (its sampling, its adapter); the rest carry on."""
