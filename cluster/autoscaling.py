@@ -49,6 +49,7 @@ class PolicyConfig:
     upscale_delay_s: float = 1.0
     downscale_delay_s: float = 30.0
     high_water: float = 0.9  # share of max batch or of KV blocks above which a replica is full
+    release_grace_s: float = 10.0  # a replica asked to go is not counted idle again for this long
 
 
 @dataclass(frozen=True)
@@ -108,10 +109,14 @@ def decide(now: float, target: int, current: int, loads: list[ReplicaLoad], queu
                                                   f"for {hot_for:.1f}s")
     if waiting > 0 or hot or current != target:
         return Decision(target, "hold", "busy or replicas starting/stopping")
-    idle = tuple(r.replica for r in live if r.idle_for(now) >= cfg.downscale_delay_s)
+    # Serve may report a replica it is stopping as running for a while: count each once.
+    released = {k: t for k, t in (state.get("released") or {}).items() if now - t < cfg.release_grace_s}
+    state["released"] = released
+    idle = tuple(r.replica for r in live if r.idle_for(now) >= cfg.downscale_delay_s and r.replica not in released)
     new = max(min_replicas, target - len(idle))
     if new < target:
-        return Decision(new, "idle", f"{len(idle)} replica(s) idle for >= {cfg.downscale_delay_s:g}s", idle)
+        released.update({r: now for r in idle[:target - new]})
+        return Decision(new, "idle", f"{target - new} replica(s) idle for >= {cfg.downscale_delay_s:g}s", idle)
     return Decision(target, "hold", "steady")
 
 
@@ -152,7 +157,7 @@ class ConsolidatingPolicy:
     def __call__(self, ctx) -> tuple[int, dict]:
         import time
 
-        state = {k: ctx.policy_state.get(k) for k in ("waiting_since", "full_since")}
+        state = {k: ctx.policy_state.get(k) for k in ("waiting_since", "full_since", "released")}
         loads = latest_loads(ctx.raw_metrics, ctx.running_replicas)
         d = decide(ctx.current_time or time.time(), ctx.target_num_replicas, ctx.current_num_replicas, loads,
                    ctx.total_queued_requests or 0.0, ctx.capacity_adjusted_min_replicas,

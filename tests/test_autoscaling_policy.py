@@ -63,6 +63,15 @@ def test_down_only_by_the_replicas_idle_for_the_delay():
     assert (d.target, d.idle) == (1, ("b", "c"))
 
 
+def test_a_replica_released_once_is_not_counted_again_while_serve_stops_it():
+    loads = [load("a", running=3), load("b", idle_since=1.0)]
+    state = {}
+    assert decide(50.0, 2, 2, loads, 0, 0, 8, CFG, state).target == 1
+    # Serve still lists b as running (current = target = 1 after its own bookkeeping)
+    assert decide(50.2, 1, 1, loads, 0, 0, 8, CFG, state).target == 1
+    assert decide(61.0, 1, 1, loads, 0, 0, 8, CFG, state).target == 0  # still there after the grace: counted again
+
+
 def test_never_below_min_replicas_and_scale_to_zero_when_allowed():
     idle = [load("a", idle_since=1.0), load("b", idle_since=1.0)]
     assert decide(50.0, 2, 2, idle, 0, 1, 8, CFG, {}).target == 1
