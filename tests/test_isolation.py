@@ -27,7 +27,7 @@ ADAPTERS = example_adapter_names()
 VICTIMS = [BASE, *ADAPTERS][:4]
 QUESTION = [{"role": "user", "content": "Tell me a short story about the sea."}]
 PROMPT = "The capital of France is"
-VICTIM_TOKENS = 12
+VICTIM_TOKENS = 20  # long enough to still be running when the hostile request lands, on a loaded machine too
 COMPLETIONS, CHATS, ADMIN = "/v1/completions", "/v1/chat/completions", "/v1/adapters"
 OVERFLOWING = "overflowing"  # finite weights so large that the adapter's activations overflow
 
