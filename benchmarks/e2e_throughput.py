@@ -176,6 +176,7 @@ def run_workload(engine, pool_adapters, workload, n, prompt, new, rng):
 
 def profile_breakdown(engine, pool_adapters, workload, batch, rng):
     """Per-category GPU time of full-batch decode steps (kernel names from a torch profile)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from app.protocol import GenerateRequest, SamplingParams
@@ -198,11 +199,10 @@ def profile_breakdown(engine, pool_adapters, workload, batch, rng):
     while engine.has_work():
         engine.step()
     cats = {"attention": 0.0, "gemm": 0.0, "lora": 0.0, "other": 0.0}
-    for e in prof.key_averages():
-        us = e.self_device_time_total
-        if us == 0 or e.device_type.name != "CUDA":
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:  # kernels and copies only
             continue
-        name = e.key.lower()
+        us, name = e.device_time_total, e.name.lower()
         cat = "attention" if "paged_decode" in name or "flash" in name else "lora" if "sgmv" in name else \
             "gemm" if any(k in name for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")) else "other"
         cats[cat] += us / 1e3 / steps
@@ -236,7 +236,7 @@ def hf_peers(cfg, batch, prompt, new, peft_new):
         peft = get_peft_model(model, lcfg, adapter_name="p0")
         for k in range(1, 8):
             peft.add_adapter(f"p{k}", lcfg)
-        peft = peft.to(torch.float16)
+        peft = peft.to(torch.float16).eval()
         names = [f"p{i % 8}" for i in range(batch)]
         rows.append(("hf_peft", "uniform8", gen(peft, peft_new, adapter_names=names)))
     del model, peft
@@ -288,6 +288,10 @@ def main():
     names = adapters(cfg, args.requests)
     adapter_bytes = 2 * 16 * sum(i + o for i, o in cfg.module_dims.values()) * cfg.num_layers
     rows, breakdown, capture = [], [], {}
+    data = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), requests=args.requests,
+                copy_bandwidth_Bps=bw, matmul_flops=rate, startup=capture, breakdown=breakdown, rows=rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save = lambda: args.out.write_text(json.dumps(data, indent=1))  # noqa: E731  (after every part)
     for batch in map(int, args.batches.split(",")):
         pool = LoraPool(cfg.shape, PoolConfig(batch, 16, torch.float16, "cuda"))
         model = LlamaModel(cfg, weights, pool)
@@ -302,9 +306,11 @@ def main():
                              roofline_tok_s=roof, steps=len(steps), wall_s=wall))
             print(f"  {workload:9s} {generated / wall:8.0f} tok/s  roofline {roof:8.0f}  ({100 * generated / wall / roof:.0f} %)"
                   f"  {len(steps)} steps {wall:.2f} s", flush=True)
+        save()
         for workload in ("backbone", "distinct"):
             breakdown.append(profile_breakdown(engine, names, workload, batch, random.Random(5)))
             print("  profile", breakdown[-1], flush=True)
+        save()
         del engine, model, pool
         torch.cuda.empty_cache()
     del weights
@@ -313,10 +319,7 @@ def main():
         for system, workload, tok_s in hf_peers(cfg, batch, 128, 128, 16):
             rows.append(dict(system=system, workload=workload, max_batch=batch, tok_s=tok_s, roofline_tok_s=None))
             print(f"  {system:8s} {workload:9s} batch {batch}: {tok_s:8.0f} tok/s", flush=True)
-    data = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), requests=args.requests,
-                copy_bandwidth_Bps=bw, matmul_flops=rate, startup=capture, breakdown=breakdown, rows=rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1))
+    save()
     plot(data, args.out.with_suffix(".png"))
     print(f"\n{'system':9s} {'workload':10s} {'batch':>5s} {'tok/s':>8s} {'roofline':>9s}")
     for r in rows:

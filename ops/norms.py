@@ -9,7 +9,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     x: [tokens, hidden]; weight: [hidden]. Rounds exactly where HF's LlamaRMSNorm does.
     """
-    if small_ops.usable(x):
+    if small_ops.norm_usable(x):
         return small_ops.rms_norm(x, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -19,7 +19,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """h += delta (in place, rounded to h's dtype), then rms_norm(h): the residual add and the
     next norm in one pass. h, delta: [tokens, hidden]; returns a new [tokens, hidden]."""
-    if small_ops.usable(h):
+    if small_ops.norm_usable(h):
         return small_ops.rms_norm(h, weight, eps, delta)
     h.add_(delta)
     return rms_norm(h, weight, eps)

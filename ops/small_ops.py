@@ -29,8 +29,16 @@ class _RopeKvArgs(ctypes.Structure):
     _fields_ += [("qkv_stride", ctypes.c_longlong), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int)]
 
 
+NORM_MAX_HIDDEN = 256 * 8 * 4  # kNormVecs in kernels/small_ops.cu
+
+
 def usable(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in _CTYPE
+
+
+def norm_usable(x: torch.Tensor) -> bool:
+    """rms_norm's kernel holds a row in registers: hidden a multiple of 8, at most NORM_MAX_HIDDEN."""
+    return usable(x) and x.shape[-1] % 8 == 0 and x.shape[-1] <= NORM_MAX_HIDDEN
 
 
 def all_kernel_names() -> list[str]:
@@ -58,8 +66,10 @@ def rms_norm(h, weight, eps: float, delta=None):
     out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     if h.shape[0] == 0:
         return out
-    if h.stride(1) != 1 or (delta is not None and delta.stride(1) != 1):
-        raise ValueError("rms_norm: rows must be unit-stride")
+    if h.stride(1) != 1 or h.stride(0) % 8 or (delta is not None and (delta.stride(1) != 1 or delta.stride(0) % 8)):
+        raise ValueError("rms_norm: rows must be unit-stride, 16-byte aligned")
+    if not norm_usable(h):
+        raise ValueError(f"rms_norm: hidden {h.shape[1]} not a multiple of 8 up to {NORM_MAX_HIDDEN}")
     args = _NormArgs(h=h.data_ptr(), delta=None if delta is None else delta.data_ptr(), weight=weight.data_ptr(),
                      out=out.data_ptr(), h_stride=h.stride(0), delta_stride=0 if delta is None else delta.stride(0),
                      hidden=h.shape[1], eps=eps)
@@ -99,7 +109,7 @@ def rope_kv(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, h
     args = _RopeKvArgs(qkv=qkv.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), k_cache=k_cache.data_ptr(),
                        v_cache=v_cache.data_ptr(), slots=slots.data_ptr(), qkv_stride=qkv.stride(0), heads=heads,
                        kv_heads=kv_heads)
-    _run(f"rope_kv_kernel<{_CTYPE[qkv.dtype]}, {head_dim}>", qkv.shape[0], 128, args, qkv.device)
+    _run(f"rope_kv_kernel<{_CTYPE[qkv.dtype]}, {head_dim}>", qkv.shape[0], 512, args, qkv.device)
 
 
 def warm_up(dtype: torch.dtype, device) -> None:

@@ -2,8 +2,10 @@
 // read through its block table (no gather into a padded copy).
 //
 // Grid (seqs, kv_heads, splits), 128 threads. A block serves the G query heads that share one
-// KV head (GQA: each K/V row is read once for all of them) over the partitions of kPart tokens
-// numbered blockIdx.z, blockIdx.z + splits, ...: scores of a partition into shared memory,
+// KV head (GQA: each K/V row is read once for all of them) over the partitions numbered
+// blockIdx.z, blockIdx.z + splits, ... (ceil(context / splits) tokens each, rounded up to 16,
+// at most kPart, so every split has work on short contexts too): its block-table entries
+// staged in shared memory (the row lookups then cost no DRAM round trip), scores into shared memory,
 // its softmax stats, then the V sum, merged into running (max, sum, acc) as flash-decoding
 // does. The grid depends on the batch shape only, never on the context lengths, so one CUDA
 // graph serves any lengths. With one split the block writes the output; with several each
@@ -29,7 +31,8 @@ struct DecodeArgs {
 constexpr int kPart = 512;  // tokens whose scores a block holds at once
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kUnroll = 4;  // K / V rows in flight per lane
+// K / V rows in flight per lane: more where few query heads leave registers free
+template <int G> __device__ constexpr int unroll() { return G <= 2 ? 8 : 4; }
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -54,8 +57,9 @@ __device__ __forceinline__ void unpack8(uint4 w, float (&f)[8]) {
   }
 }
 
-__device__ __forceinline__ long long kv_row(const int* table, int tok, int block_size) {
-  return static_cast<long long>(__ldg(table + tok / block_size)) * block_size + tok % block_size;
+// Cache row of token `tok` (absolute), its block looked up in the staged entries from block `first` on.
+__device__ __forceinline__ long long kv_row(const int* staged, int first, int tok, int block_size) {
+  return static_cast<long long>(staged[tok / block_size - first]) * block_size + tok % block_size;
 }
 
 template <class T, int D, int G>
@@ -67,6 +71,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
   __shared__ float s_score[G][kPart];
   __shared__ float s_acc[kWarps * VPW][G][D];
   __shared__ float s_max[G], s_sum[G];
+  __shared__ int s_table[kPart + 1];
+  constexpr int kUnroll = unroll<G>();
 
   const int seq = blockIdx.x, kvh = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -98,8 +104,12 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
   }
   const int vpiece = lane % VL, vrow = lane / VL;
 
-  for (int start = blockIdx.z * kPart; start < ctx; start += a.splits * kPart) {
-    const int n = min(ctx - start, kPart);
+  const int part = min(kPart, ((ctx + a.splits - 1) / a.splits + 15) / 16 * 16);
+  for (int start = blockIdx.z * part; start < ctx; start += a.splits * part) {
+    const int n = min(ctx - start, part);
+    const int first = start / a.block_size, entries = (start + n - 1) / a.block_size - first + 1;
+    for (int i = threadIdx.x; i < entries; i += kThreads) s_table[i] = __ldg(table + first + i);
+    __syncthreads();
     // Scores of this partition: a K row is LPT lanes' 16-byte pieces; their dot products meet
     // by shuffles inside the LPT-lane group.
     for (int base = warp * TPW; base < n; base += kWarps * TPW * kUnroll) {
@@ -108,7 +118,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
       for (int u = 0; u < kUnroll; ++u) {
         const int t = base + u * kWarps * TPW + lane / LPT;
         const bool ok = t < n;
-        const long long row = ok ? kv_row(table, start + t, a.block_size) : 0;
+        const long long row = ok ? kv_row(s_table, first, start + t, a.block_size) : 0;
         kw[u] = ldg16(kc + row * row_elems + piece * 8, ok);
       }
 #pragma unroll
@@ -161,7 +171,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
       for (int u = 0; u < kUnroll; ++u) {
         const int t = base + u * kWarps * VPW + vrow;
         const bool ok = t < n;
-        const long long row = ok ? kv_row(table, start + t, a.block_size) : 0;
+        const long long row = ok ? kv_row(s_table, first, start + t, a.block_size) : 0;
         vw[u] = ok ? __ldg(reinterpret_cast<const uint2*>(vc + row * row_elems + vpiece * 4)) : make_uint2(0, 0);
       }
 #pragma unroll
