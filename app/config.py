@@ -78,6 +78,7 @@ class AppArgs(_Strict):
     max_lora_rank: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)  # GPUs one replica's model is sharded over
+    cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start-up (false: eager, for debugging)
     adapter_dirs: list[str] = []
     replica: DeploymentArgs = DeploymentArgs()
     ingress: DeploymentArgs = DeploymentArgs()
@@ -165,6 +166,7 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         block_size=a.block_size, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank, dtype=_DTYPES[a.dtype],
         lora_memory_bytes=None if a.lora_memory_gb is None else int(a.lora_memory_gb * 2**30),
         device=a.device, max_model_len=a.max_model_len, tensor_parallel_size=a.tensor_parallel_size,
+        cuda_graphs=a.cuda_graphs,
     )
     name = a.model_name or (Path(a.model).name if a.model else default_model_name)
     keys = tuple(ApiKey(k.key, frozenset(k.adapters) if k.adapters is not None else None) for k in a.api_keys)

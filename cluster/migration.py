@@ -29,7 +29,7 @@ from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.metrics import Counter
 
-from app.errors import LoraplexError
+from app.errors import LoraplexError, OverloadedError
 from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, TokenChunk
 
 log = logging.getLogger("ray.serve")
@@ -41,11 +41,6 @@ REPLICA_FAILURES = (RayActorError, WorkerCrashedError, NodeDiedError)  # ActorDi
 class MigrationPolicy:
     max_migrations: int = 8  # moves (migrations + failovers) one request may make
     failover_wait_s: float = 60.0  # how long a moved request may wait for a replica to take it
-
-
-class Overloaded(LoraplexError):
-    status = 503
-    code = "overloaded"
 
 
 def with_fixed_seed(request: GenerateRequest) -> GenerateRequest:
@@ -90,7 +85,7 @@ class ResubmittingStream:
         try:
             stream._first = await stream._connect(request, wait_s=None)
         except BackPressureError:
-            raise Overloaded("too many requests are waiting for a replica; retry later") from None
+            raise OverloadedError("too many requests are waiting for a replica; retry later") from None
         return stream
 
     async def chunks(self) -> AsyncIterator[TokenChunk | ErrorChunk]:
