@@ -13,13 +13,12 @@ The client is this process: a DeploymentHandle (whose router is the deployment's
 cluster.migration's ResubmittingStream, as in the ingress; HTTP is left out so two cores
 can carry the token rate.
 
-Step-time model: no per-step timing of the GPU engine is committed (the H200 engine log
-holds correctness results only), so the model is the H200 roofline from measured figures —
-Llama-2-7B fp16 weights (13.5 GB) over the measured 4.0 TB/s copy bandwidth, 224 SGMV
-launches at the measured ~9.3 µs (sgmv_h200.json, Distinct B=16 r16), each request's KV
-(~576 tokens × 0.5 MB) per step, prefill at 2·7e9 FLOP per token over ~700 TFLOP/s:
-5.5 ms + 0.07 ms per request + 0.02 ms per prefill token. It is stretched ×20 (the trace is
-compressed ×~1000 against a day) so the token rate fits two cores.
+Step-time model, from the measured GPU engine (benchmarks/results/e2e_throughput_h200.json,
+Llama-2-7B shapes, Distinct rank-16 adapters): 520 steps in 4.93 s at max batch 32 and 262 in
+3.39 s at 64, i.e. 9.48 and 12.95 ms a step → 6.0 ms + 0.108 ms per request in the batch; plus
+a prefill term of 0.02 ms per prompt token (2·7e9 FLOP per token at ~700 TFLOP/s, a roofline
+figure, not measured). It is stretched ×20 (the trace is compressed ×~1000 against a day) so
+the token rate fits two cores.
 
 Per policy: replica-seconds (replica actors alive, sampled every 0.5 s), the share of
 replica-time at batch 0 or at max batch, TTFT and time between tokens seen by the client
@@ -46,7 +45,7 @@ from benchmarks.method import save_figure  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "diurnal_trace.json"
 DILATION = 20.0
-STEP = dict(base_s=0.0055 * DILATION, per_request_s=0.00007 * DILATION, per_prefill_token_s=0.00002 * DILATION)
+STEP = dict(base_s=0.0060 * DILATION, per_request_s=0.000108 * DILATION, per_prefill_token_s=0.00002 * DILATION)
 MAX_BATCH, MAX_REPLICAS, PROMPT, NEW_TOKENS, ADAPTERS, ZIPF = 8, 8, 64, 32, 100, 1.5
 DELAYS = {"upscale_delay_s": 1.0, "downscale_delay_s": 5.0}
 
