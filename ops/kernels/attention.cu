@@ -46,17 +46,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-template <class T>
-__device__ __forceinline__ void unpack8(uint4 w, float (&f)[8]) {
-  const unsigned u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = DType<T>::unpack(u[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
-
 // Cache row of token `tok` (absolute), its block looked up in the staged entries from block `first` on.
 __device__ __forceinline__ long long kv_row(const int* staged, int first, int tok, int block_size) {
   return static_cast<long long>(staged[tok / block_size - first]) * block_size + tok % block_size;

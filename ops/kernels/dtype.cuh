@@ -45,6 +45,18 @@ template <> struct DType<__nv_bfloat16> {
   }
 };
 
+// Eight packed fp16 / bf16 values (16 bytes) as floats.
+template <class T>
+__device__ __forceinline__ void unpack8(uint4 w, float (&f)[8]) {
+  const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = DType<T>::unpack(u[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
 // v (float or the activation dtype) <-> float.
 __device__ __forceinline__ float load_as_float(const float* p) { return *p; }
 __device__ __forceinline__ float load_as_float(const __half* p) { return __half2float(*p); }

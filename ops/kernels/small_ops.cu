@@ -3,17 +3,6 @@
 // what the eager torch ops compute up to the last ulp of fp32 exp / rsqrt.
 #include "dtype.cuh"
 
-template <class T>
-__device__ __forceinline__ void unpack8(uint4 w, float (&f)[8]) {
-  const unsigned u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = DType<T>::unpack(u[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
-
 struct NormArgs {
   void* h;             // [tokens, hidden] residual stream, rows h_stride apart (updated in place with ADD)
   const void* delta;   // [tokens, hidden] added to h first (ADD), rows delta_stride apart
