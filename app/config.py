@@ -57,6 +57,7 @@ class DeploymentArgs(_Strict):
 class ClusterArgs(_Strict):
     """Routing and migration across LoraReplica replicas (cluster/)."""
 
+    router: Literal["consolidating", "power_of_two"] = "consolidating"  # power_of_two: Ray Serve's default
     reserve_kv_blocks: int = Field(1, ge=0)  # free KV blocks a replica keeps beyond a new prompt's
     routing_stats_period_s: float = Field(0.5, gt=0)  # how often the router reads each replica's stats
     max_queued_requests: int = Field(1024, ge=-1)  # waiting for room beyond this → 503 (-1: unbounded)
@@ -133,17 +134,17 @@ def _adapter_dirs(dirs: list[str]) -> tuple[str, ...]:
 
 def cluster_options(c: ClusterArgs, engine: EngineConfig) -> dict:
     """The consolidating router (cluster/router.py) and its queue bound, as Serve options."""
-    return {
-        "max_queued_requests": c.max_queued_requests,
-        "request_router_config": {
-            "request_router_class": "cluster.router:ConsolidatingRouter",
-            "request_router_kwargs": {"reserve_blocks": c.reserve_kv_blocks, "max_batch": engine.max_num_seqs,
-                                      "block_size": engine.block_size},
-            "request_routing_stats_period_s": c.routing_stats_period_s,
-            # a request waiting for room is retried at least this often
-            "initial_backoff_s": 0.01, "max_backoff_s": 0.05,
-        },
+    router = {
+        "request_router_class": "cluster.router:ConsolidatingRouter",
+        "request_router_kwargs": {"reserve_blocks": c.reserve_kv_blocks, "max_batch": engine.max_num_seqs,
+                                  "block_size": engine.block_size},
+        "request_routing_stats_period_s": c.routing_stats_period_s,
+        # a request waiting for room is retried at least this often
+        "initial_backoff_s": 0.01, "max_backoff_s": 0.05,
     }
+    if c.router == "power_of_two":
+        router = {"request_routing_stats_period_s": c.routing_stats_period_s}
+    return {"max_queued_requests": c.max_queued_requests, "request_router_config": router}
 
 
 def _replica_options(replica: DeploymentArgs, max_ongoing: int, cluster: ClusterArgs, engine: EngineConfig) -> dict:
