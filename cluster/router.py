@@ -95,7 +95,7 @@ class ConsolidatingRouter(RequestRouter):
     def initialize_state(self, reserve_blocks: int = 1, max_batch: int = 16, block_size: int = 16):
         self.policy = Policy(reserve_blocks, max_batch, block_size)
         self._sent: dict[str, list[tuple[float, int]]] = defaultdict(list)  # replica → [(sent at, blocks)]
-        self._routed = Counter("loraplex_router_requests_routed", "requests routed, by replica", tag_keys=("replica",))
+        self._routed = Counter("loraplex_router_requests_routed", "requests routed, by replica", tag_keys=("target_replica",))
         self._queue = Gauge("loraplex_router_queue_length", "requests waiting for a replica with room")
         self._wait = Histogram("loraplex_router_wait_for_room_s", "time a request waited for a replica with room",
                                boundaries=[0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30])
@@ -119,7 +119,7 @@ class ConsolidatingRouter(RequestRouter):
         rid = replica_id.unique_id
         need = need_of(pending_request, self.policy)
         self._sent[rid].append((time.time(), math.ceil(need.tokens / self.policy.block_size)))
-        self._routed.inc(tags={"replica": rid})
+        self._routed.inc(tags={"target_replica": rid})
         self._wait.observe(max(0.0, time.time() - pending_request.created_at))
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
