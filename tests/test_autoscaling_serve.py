@@ -5,25 +5,32 @@ endpoint.
 
 The replicas run the simulated engine core (app/engine/simulated.py: the real scheduler,
 a fixed 50 ms step instead of a model) because these tests need exact control of how
-long a stream lasts, and three replicas on two cores. Requests go over HTTP through the
-real Ingress (the default model's tokenizer) and the consolidating router; replicas are
-observed by polling each Serve replica actor's routing stats.
+long a stream lasts, and three replicas on two cores. Requests go through a
+DeploymentHandle (the deployment's consolidating router) and cluster.migration's
+ResubmittingStream, as in the ingress; replicas are observed by polling each Serve replica
+actor's routing stats.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 import threading
 import time
 import urllib.request
+import uuid
 
-import httpx
 import pytest
 
-from app.builder import app_from_args
+from app.config import parse_args
+from app.engine.config import EngineConfig
 from app.engine.simulated import StepTime, simulated_engine, simulated_token
-from app.model.default import DEFAULT_MODEL_NAME as BASE
+from app.protocol import ErrorChunk, GenerateRequest, SamplingParams
+from app.replica import LoraReplica, ReplicaSettings
+from cluster.migration import MigrationPolicy, ResubmittingStream
 from tests.app_fixtures import config_args, free_port, wait_for
+
+BASE = "simulated"
 
 STEP = StepTime(0.05)
 FAST_METRICS = {"metrics_interval_s": 0.25, "look_back_period_s": 1.0}
@@ -46,33 +53,52 @@ def cluster():
         ray.shutdown()
 
 
+_loop = asyncio.new_event_loop()
+threading.Thread(target=_loop.run_forever, daemon=True).start()  # one client loop for every request
+
+
 @pytest.fixture
 def deploy(cluster):
-    """deploy(name, autoscaling, max_batch) → the app's base URL; deleted after the test."""
+    """deploy(name, autoscaling, max_batch) → the app name; deleted after the test."""
     from ray import serve
 
-    url, _ = cluster
     names = []
 
     def _deploy(name: str, autoscaling: dict, max_batch: int = 2) -> str:
         args = config_args(max_batch_size=max_batch, adapter_dirs=[],
                            replica={"autoscaling_config": {**FAST_METRICS, **autoscaling},
-                                    "ray_actor_options": {"num_cpus": 0.1}},
-                           ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}})
-        serve.run(app_from_args(args, functools.partial(simulated_engine, STEP)), name=name, route_prefix=f"/{name}")
+                                    "ray_actor_options": {"num_cpus": 0.1}})
+        options = parse_args(args, BASE).replica_options
+        settings = ReplicaSettings(None, EngineConfig(max_num_seqs=max_batch, num_kv_blocks=512), (),
+                                   migrate_locally=False)
+        serve.run(LoraReplica.options(**options).bind(settings, None, functools.partial(simulated_engine, STEP)),
+                  name=name, route_prefix=None)
         names.append(name)
-        return f"{url}/{name}"
+        return name
 
     yield _deploy
     for name in names:
         serve.delete(name)
 
 
-def complete(base: str, prompt: list[int], max_tokens: int) -> dict:
-    r = httpx.post(f"{base}/v1/completions", timeout=60,
-                   json={"model": BASE, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-    assert r.status_code == 200, r.text
-    return r.json()
+def complete(app: str, prompt: list[int], max_tokens: int) -> dict:
+    """One request through the deployment's router and the ingress's migration path."""
+    from ray import serve
+
+    async def run():
+        handle = serve.get_deployment_handle("LoraReplica", app).options(stream=True)
+        request = GenerateRequest(f"{app}-{uuid.uuid4().hex[:8]}", tuple(prompt),
+                                  SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=1))
+        stream = await ResubmittingStream.open(lambda r: handle.generate.remote(r, None, 0), request,
+                                               MigrationPolicy(max_migrations=4, failover_wait_s=30))
+        text, tokens = "", 0
+        async for chunk in stream.chunks():
+            assert not isinstance(chunk, ErrorChunk), chunk
+            text += chunk.text
+            tokens += len(chunk.token_ids)
+        return {"text": text, "completion_tokens": tokens, "moves": stream.moves}
+
+    return asyncio.run_coroutine_threadsafe(run(), _loop).result(timeout=60)
 
 
 def expected_text(prompt: list[int], max_tokens: int) -> str:
@@ -161,12 +187,12 @@ def test_ramp_up_then_down_releases_the_idle_replicas(deploy):
         assert wait_for(lambda: reps.live() == 3, timeout=40), reps.counts[-5:]
         for t in threads:
             t.join()
-        assert [r["choices"][0]["text"] for r in results] == [expected_text(p, 60) for p in prompts]
+        assert [r["text"] for r in results] == [expected_text(p, 60) for p in prompts]
         # Load that fits one replica: one request at a time, which the router keeps on the oldest.
         deadline = time.time() + 40
         while reps.live() > 1 and time.time() < deadline:
             r = complete(base, [3, 1, 4], 10)
-            assert r["choices"][0]["text"] == expected_text([3, 1, 4], 10)
+            assert r["text"] == expected_text([3, 1, 4], 10)
         assert reps.live() == 1, reps.counts[-5:]
     started = {name: s[0][1]["started_at"] for name, s in reps.samples.items()}
     survivor = next(name for name in reps.names())
@@ -183,10 +209,10 @@ def test_scale_to_zero_and_back(deploy):
     base = deploy("zero", {"min_replicas": 0, "initial_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0.5,
                            "downscale_delay_s": 2.0})
     with Replicas("zero") as reps:
-        assert complete(base, [9, 9], 5)["choices"][0]["text"] == expected_text([9, 9], 5)
+        assert complete(base, [9, 9], 5)["text"] == expected_text([9, 9], 5)
         assert wait_for(lambda: reps.counts and reps.live() == 0 and not reps.names(), timeout=30), reps.counts[-5:]
         r = complete(base, [2, 7, 1], 8)  # waits at the handle while Serve starts a replica
-        assert r["choices"][0]["text"] == expected_text([2, 7, 1], 8)
+        assert r["text"] == expected_text([2, 7, 1], 8)
         assert wait_for(lambda: reps.live() == 1, timeout=10)
 
 
@@ -205,10 +231,10 @@ def test_scale_down_of_a_replica_still_streaming_migrates_its_streams(deploy, cl
         for t in shorts + longs:
             t.join()
         assert reps.live() == 1
-    assert [r["choices"][0]["text"] for r in results] == [expected_text([1, 2, 3], 20), expected_text([4, 5, 6], 20)]
+    assert [r["text"] for r in results] == [expected_text([1, 2, 3], 20), expected_text([4, 5, 6], 20)]
     out = long_result[0]
-    assert out["choices"][0]["text"] == expected_text(long_prompt, 200)
-    assert out["usage"]["completion_tokens"] == 200
+    assert out["text"] == expected_text(long_prompt, 200)
+    assert out["completion_tokens"] == 200
     stopped = [n for n in reps.samples if n not in reps.names()]
     assert len(stopped) == 1 and any(s["running"] for _, s in reps.samples[stopped[0]]), "Ray stopped a busy replica"
     assert wait_for(lambda: series_total(scrape(cluster), "ray_loraplex_migrations_total") >= 1, timeout=20)
@@ -223,7 +249,7 @@ def test_no_flapping_under_steady_load(deploy):
     def closed_loop(i):
         n = 0
         while time.time() < stop:
-            assert complete(base, [i, n], 12)["choices"][0]["text"] == expected_text([i, n], 12)
+            assert complete(base, [i, n], 12)["text"] == expected_text([i, n], 12)
             n += 1
         return n
 
