@@ -137,11 +137,7 @@ class EngineCore:
 
     def _drop(self, seq: Sequence) -> None:
         del self._seqs[seq.request_id]
-        if seq in self.scheduler.running:
-            self.scheduler.running.remove(seq)
-        elif seq in self.scheduler.waiting:
-            self.scheduler.waiting.remove(seq)
-        self.scheduler.free(seq)
+        self.scheduler.remove(seq)
 
     # -- introspection ------------------------------------------------------------
     def stats(self) -> dict:

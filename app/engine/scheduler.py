@@ -44,6 +44,14 @@ class Scheduler:
         self._admit(out, budget)
         return out
 
+    def remove(self, seq: Sequence) -> None:
+        """Take a request out of the running or waiting queue and free what it holds."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free(seq)
+
     def free(self, seq: Sequence) -> None:
         """Return a request's KV blocks and adapter pin (finish, abort, preemption)."""
         self.allocator.free(seq.block_table)

@@ -139,11 +139,7 @@ class SimulatedCore:
                           len(seq.prompt_ids), len(seq.output_ids))
 
     def _remove(self, seq: Sequence) -> None:
-        if seq in self.scheduler.running:
-            self.scheduler.running.remove(seq)
-        elif seq in self.scheduler.waiting:
-            self.scheduler.waiting.remove(seq)
-        self.scheduler.free(seq)
+        self.scheduler.remove(seq)
 
     def stats(self) -> dict:
         return {
