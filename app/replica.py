@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -22,7 +23,7 @@ from app.engine_metrics import EngineMetrics
 from app.errors import AdapterNotFoundError, LoraplexError
 from app.protocol import Accepted, Chunk, GenerateRequest, Migrate
 from app.registry import AdapterSpec
-from cluster.stats import ReplicaStats
+from cluster.stats import ARRIVALS_WINDOW_S, ReplicaStats, arrival_key
 
 log = logging.getLogger("ray.serve")
 
@@ -59,17 +60,21 @@ class LoraReplica:
         self.specs = {s.name: s for s in settings.adapters}  # what this replica registered, by name
         self.epoch = 0  # the registry epoch this replica last synced with
         self.draining = False  # set by drain(): the router sends nothing new, running requests move
+        self.held = 0  # generate() calls in progress
+        self.arrivals: deque[tuple[float, str]] = deque()  # (wall time, arrival_key), the last ARRIVALS_WINDOW_S
         self.metrics = EngineMetrics(self.engine).start()  # the engine's Prometheus series (app/engine_metrics.py)
 
     async def generate(self, request: GenerateRequest, adapter: AdapterSpec | None,
                        epoch: int) -> AsyncIterator[Chunk | LoraplexError]:
         """Accepted(this replica), then the request's chunks or the LoraplexError that rejected it."""
-        yield Accepted(self.replica_id)
-        if self.draining:  # routed here before the router saw the drain: move on at once
-            yield Migrate(request.request_id, request.prompt_token_ids, request.resume_token_ids,
-                          request.params.seed or 0, "draining")
-            return
+        self.held += 1  # before the first await: a report taken from now on counts it
+        self.arrivals.append((time.time(), arrival_key(request.request_id, len(request.resume_token_ids))))
         try:
+            yield Accepted(self.replica_id)
+            if self.draining:  # routed here before the router saw the drain: move on at once
+                yield Migrate(request.request_id, request.prompt_token_ids, request.resume_token_ids,
+                              request.params.seed or 0, "draining")
+                return
             await self._sync(epoch)
             if adapter is not None:
                 self._ensure(adapter)
@@ -77,6 +82,8 @@ class LoraReplica:
                 yield chunk
         except LoraplexError as exc:  # bad input, not a replica failure: yielded, so Serve logs no traceback
             yield exc
+        finally:
+            self.held -= 1
 
     async def load_adapter(self, name: str, uri: str) -> str:
         """Load (and so validate) an adapter before the registry lists it: its content
@@ -95,12 +102,16 @@ class LoraReplica:
         return await asyncio.wrap_future(self.engine.call(_stats))
 
     async def routing_stats(self) -> ReplicaStats:
+        now = time.time()
+        while self.arrivals and self.arrivals[0][0] < now - ARRIVALS_WINDOW_S:
+            self.arrivals.popleft()
+        held, arrivals = self.held, tuple(key for _, key in self.arrivals)  # taken before the engine's counts
         s = await self.stats()
         return ReplicaStats(
             running=s["running"], waiting=s["waiting"], max_batch=s["max_batch"], free_kv_blocks=s["free_kv_blocks"],
             total_kv_blocks=s["total_kv_blocks"], block_size=self.block_size,
             resident_adapters=tuple(s["resident_adapters"]), draining=self.draining, started_at=self.started_at,
-            reported_at=time.time())
+            reported_at=now, held=held, arrivals=arrivals, arrivals_since=now - ARRIVALS_WINDOW_S)
 
     async def record_routing_stats(self) -> dict:
         """Serve polls this for the request router (cluster/stats.py, the routing-stats contract)."""

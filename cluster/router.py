@@ -5,7 +5,8 @@ room (batch below its limit and enough free KV blocks for the prompt plus a
 reserve); ties → the oldest replica (Serve's downscale stops the newest first, so
 the released replicas are the idle ones); among equals, one where the adapter is
 already resident. Replica stats are stale by up to the polling period, so the
-router adds what it sent to each replica since that replica's last report. No
+router adds what it sent to each replica that the replica's last report does not yet
+list among its arrivals (cluster/stats.py). No
 replica with room → the request waits, first come first served, and Serve retries
 it (with backoff) until one has room; `max_queued_requests` bounds that queue.
 
@@ -24,7 +25,7 @@ from typing import List, Optional
 from ray.serve.metrics import Counter, Gauge, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from cluster.stats import ReplicaStats
+from cluster.stats import ReplicaStats, arrival_key
 
 log = logging.getLogger("ray.serve")
 
@@ -44,6 +45,7 @@ class Need:
     """What one request asks of a replica."""
 
     tokens: int  # prompt + resumed tokens + the next one
+    key: str = ""  # arrival_key: how the replica's report names this submission
     adapter: str | None = None
     avoid: frozenset[str] = frozenset()  # failed replicas: never
     migrated_from: str | None = None  # its previous replica: only if no other has room
@@ -80,12 +82,22 @@ def rank(views: list[ReplicaView], need: Need, policy: Policy) -> list[str]:
     return [v.replica_id for v in sorted(elsewhere or roomy, key=lambda v: _key(v, need))]
 
 
+def unreported(sent: list[tuple[float, str, int]], stats: ReplicaStats | None) -> list[tuple[float, str, int]]:
+    """Of the (sent at, key, blocks) routed to a replica, those its report does not count:
+    not listed as arrived, and recent enough that they may still be on their way."""
+    if stats is None:
+        return sent
+    arrived = set(stats.arrivals)
+    return [e for e in sent if e[1] not in arrived and e[0] >= stats.arrivals_since]
+
+
 def need_of(pending: PendingRequest | None, policy: Policy) -> Need:
     """The GenerateRequest is the first argument of LoraReplica.generate."""
     request = pending.args[0] if pending is not None and pending.args else None
     if request is None or not hasattr(request, "prompt_token_ids"):
         return Need(tokens=1)
-    return Need(len(request.prompt_token_ids) + len(request.resume_token_ids) + 1, request.adapter,
+    return Need(len(request.prompt_token_ids) + len(request.resume_token_ids) + 1,
+                arrival_key(request.request_id, len(request.resume_token_ids)), request.adapter,
                 frozenset(request.avoid_replicas), request.migrated_from)
 
 
@@ -94,7 +106,9 @@ class ConsolidatingRouter(RequestRouter):
 
     def initialize_state(self, reserve_blocks: int = 1, max_batch: int = 16, block_size: int = 16):
         self.policy = Policy(reserve_blocks, max_batch, block_size)
-        self._sent: dict[str, list[tuple[float, int]]] = defaultdict(list)  # replica → [(sent at, blocks)]
+        # a request waiting for room is retried every 10–100 ms (Serve's default backs off to 0.5 s)
+        self.update_backoff_params(initial_backoff_s=0.01, backoff_multiplier=2, max_backoff_s=0.1)
+        self._sent: dict[str, list[tuple[float, str, int]]] = defaultdict(list)  # replica → [(sent at, key, blocks)]
         self._routed = Counter("loraplex_router_requests_routed", "requests routed, by replica", tag_keys=("target_replica",))
         self._queue = Gauge("loraplex_router_queue_length", "requests waiting for a replica with room")
         self._wait = Histogram("loraplex_router_wait_for_room_s", "time a request waited for a replica with room",
@@ -102,6 +116,10 @@ class ConsolidatingRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if pending_request is not None:
+            # Serve retries without sleeping unless told to back off (its locality mixin sets
+            # this; this router has none): a busy loop that starves the router's event loop
+            pending_request.routing_context.should_backoff = True
         waiting = [p for p in self._pending_requests_to_fulfill if not p.future.done()]
         self._queue.set(len(waiting))
         if pending_request is not None and any(p.created_at < pending_request.created_at for p in waiting):
@@ -118,7 +136,7 @@ class ConsolidatingRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         rid = replica_id.unique_id
         need = need_of(pending_request, self.policy)
-        self._sent[rid].append((time.time(), math.ceil(need.tokens / self.policy.block_size)))
+        self._sent[rid].append((time.time(), need.key, math.ceil(need.tokens / self.policy.block_size)))
         self._routed.inc(tags={"target_replica": rid})
         self._wait.observe(max(0.0, time.time() - pending_request.created_at))
 
@@ -126,6 +144,8 @@ class ConsolidatingRouter(RequestRouter):
         before = {r.unique_id for r in self._replica_id_set}
         super().update_replicas(replicas)
         gone = before - {r.replica_id.unique_id for r in replicas}
+        for rid in gone:
+            self._sent.pop(rid, None)
         if gone:  # stopped by a scale-down (or dead): streams still on them move now
             from cluster.migration import replicas_stopping
 
@@ -134,7 +154,5 @@ class ConsolidatingRouter(RequestRouter):
     def _view(self, replica: RunningReplica) -> ReplicaView:
         rid = replica.replica_id.unique_id
         stats = ReplicaStats.from_dict(replica.routing_stats)
-        sent = self._sent.get(rid, [])
-        if stats is not None:  # what the report already counts
-            sent[:] = [(t, b) for t, b in sent if t >= stats.reported_at]
-        return ReplicaView(rid, stats, len(sent), sum(b for _, b in sent))
+        sent = self._sent[rid] = unreported(self._sent.get(rid, []), stats)
+        return ReplicaView(rid, stats, len(sent), sum(b for _, _, b in sent))

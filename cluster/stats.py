@@ -1,10 +1,23 @@
 """The routing-stats contract: what a LoraReplica reports (`record_routing_stats`,
 also the base of `record_autoscaling_stats`) and what the router reads back from
-`RunningReplica.routing_stats`. One frozen dataclass both sides build and parse."""
+`RunningReplica.routing_stats`. One frozen dataclass both sides build and parse.
+
+A report is read some time after it was taken, and a request the router sent shortly
+before it may still be on its way through Serve. So the replica lists the requests
+that reached it in the last `ARRIVALS_WINDOW_S` (`arrivals`, by `arrival_key`): the
+router counts a request it sent on top of the report until the report lists it (then
+`held` counts it) or until it is older than the window (then it never arrived)."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+ARRIVALS_WINDOW_S = 5.0  # how far back a report lists arrivals: far above Serve's transit time
+
+
+def arrival_key(request_id: str, resumed_tokens: int) -> str:
+    """One submission of a request (a migrated request arrives again with more tokens)."""
+    return f"{request_id}+{resumed_tokens}"
 
 
 @dataclass(frozen=True)
@@ -18,16 +31,21 @@ class ReplicaStats:
     resident_adapters: tuple[str, ...]  # adapters whose weights sit in a GPU pool slot
     draining: bool  # being emptied: the router sends it nothing new
     started_at: float  # wall time the replica started (ties → the oldest)
-    reported_at: float  # wall time of this report: what the router sent before it is counted in it
+    reported_at: float  # wall time of this report
+    held: int  # requests inside the replica: arriving (adapter load), queued or running
+    arrivals: tuple[str, ...]  # arrival_key of each request that reached it since arrivals_since
+    arrivals_since: float  # reported_at - ARRIVALS_WINDOW_S
 
     @property
     def batch(self) -> int:
-        """Requests this replica holds (running or queued in its engine)."""
-        return self.running + self.waiting
+        """Requests this replica holds, whatever their stage (the engine's own running +
+        waiting misses those still loading their adapter)."""
+        return max(self.held, self.running + self.waiting)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["resident_adapters"] = list(self.resident_adapters)
+        d["arrivals"] = list(self.arrivals)
         return d
 
     @classmethod
@@ -38,6 +56,7 @@ class ReplicaStats:
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in d.items() if k in fields}
         values["resident_adapters"] = tuple(values.get("resident_adapters", ()))
+        values["arrivals"] = tuple(values.get("arrivals", ()))
         try:
             return cls(**values)
         except TypeError:  # a report missing fields (a replica of another version): treat as unknown

@@ -13,7 +13,8 @@ POLICY = Policy(reserve_blocks=1, max_batch=4, block_size=16)
 
 
 def stats(running=0, waiting=0, free=100, started=0.0, adapters=(), draining=False, max_batch=4):
-    return ReplicaStats(running, waiting, max_batch, free, 100, 16, tuple(adapters), draining, started, 1.0)
+    return ReplicaStats(running, waiting, max_batch, free, 100, 16, tuple(adapters), draining, started, 1.0,
+                        running + waiting, (), -4.0)
 
 
 def test_busiest_with_room_first_then_oldest():
@@ -52,6 +53,18 @@ def test_unreported_replica_ranks_as_newest_empty():
     views = [ReplicaView("new", None), ReplicaView("old", stats(0, started=0))]
     assert rank(views, Need(5), POLICY) == ["old", "new"]
     assert rank([ReplicaView("new", None, sent=4)], Need(5), POLICY) == []
+
+
+def test_sent_requests_count_until_the_report_lists_their_arrival():
+    import dataclasses
+
+    from cluster.router import unreported
+
+    report = dataclasses.replace(stats(1), arrivals=("r1+0",), arrivals_since=10.0)
+    sent = [(9.0, "lost+0", 1), (11.0, "r1+0", 1), (11.5, "r2+0", 2), (12.0, "r1+3", 1)]
+    # r1's first submission is in the report; r2 and r1's resumed submission are on their way
+    assert unreported(sent, report) == sent[2:]
+    assert unreported(sent, None) == sent
 
 
 def test_stats_round_trip_and_unknown():
