@@ -8,7 +8,7 @@ from app.engine.config import EngineConfig
 from app.engine.detokenizer import Detokenizer
 from app.engine.kv_cache import BlockAllocator, allocate_kv
 from app.engine.runner import ModelRunner
-from app.engine.sampler import SampleError, sample
+from app.engine.sampler import SampleError
 from app.engine.scheduler import Scheduler, blocks_for
 from app.engine.sequence import Sequence
 from app.errors import ContextLengthError, InvalidRequestError
@@ -88,13 +88,14 @@ class EngineCore:
         out: list[Chunk] = [self._migrate(seq) for seq in plan.preempted]
         out += [self._fail(seq, message) for seq, message in plan.failed]
         if plan.scheduled:
-            logits, sampled = self.runner.run(plan.scheduled)
+            result = self.runner.step(plan.scheduled)
             for seq, n in plan.scheduled:
                 seq.num_computed += n
                 self.tokens_computed += n
-            tokens, logprobs = sample(logits, sampled, self.model.cfg.eos_token_ids)
+            self.runner.run_ahead(result, self.scheduler)  # the GPU works on while the host samples
+            tokens, logprobs = result.sample(self.model.cfg.eos_token_ids)
             out += [self._fail(s, str(t)) if isinstance(t, SampleError) else self._postprocess(s, t, lp)
-                    for s, t, lp in zip(sampled, tokens, logprobs)]
+                    for s, t, lp in zip(result.sampled, tokens, logprobs)]
             self.steps += 1
             self.max_batch_seen = max(self.max_batch_seen, len(plan.scheduled))
         self.last_batch_size = len(plan.scheduled)

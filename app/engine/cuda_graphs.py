@@ -9,7 +9,9 @@ with slot −1, then empty ones), so the SGMV kernel and grid, picked from host-
 only, are the same for every adapter mix; every module the pool can hold is in the graph
 (a run whose adapter lacks the module has slot −1 there). The paged decode kernel's grid
 depends on the batch shape only. All of a bucket's inputs are one int32 buffer, filled on
-the host and copied in one transfer per step.
+the host and copied in one transfer per step; the host copy is refilled only once that
+transfer is done (a step launched ahead refills it while the GPU still runs the one before).
+A step launched ahead also gets its input tokens on the device, from the previous step's argmax.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class _Bucket:
     def __init__(self, size: int, max_blocks: int, modules: list[str], device):
         self.size, self.modules = size, modules
         parts = {"tokens": size, "positions": size, "slots": size, "lens": size, "tables": size * max_blocks,
-                 "indptr": size + 1, "slot_ids": size * len(modules)}
+                 "indptr": size + 1, "slot_ids": size * len(modules), "src_rows": size}
         self.device_buf = torch.zeros(sum(parts.values()), dtype=torch.int32, device=device)
         self.host_buf = torch.zeros(self.device_buf.numel(), dtype=torch.int32).pin_memory()
         self.dev, self.host, at = {}, {}, 0
@@ -50,6 +52,7 @@ class _Bucket:
         self.dev["slot_ids"] = self.dev["slot_ids"].view(len(modules), size)
         self.host["slot_ids"] = self.host["slot_ids"].reshape(len(modules), size)
         self.sample_rows = torch.arange(size, device=device)
+        self.copied = torch.cuda.Event()
 
     def inputs(self, lora: bool, kv_heads: int) -> StepInputs:
         d = self.dev
@@ -66,12 +69,18 @@ class _Bucket:
         h["indptr"][:], h["slot_ids"][:] = 0, -1
         self.device_buf.copy_(self.host_buf)
 
-    def fill(self, order, pool, block_size: int) -> bool:
-        """This step's decode rows (sorted by adapter); returns whether any row uses an adapter."""
+    def fill(self, order, pool, block_size: int, next_tokens=None) -> bool:
+        """This step's decode rows (sorted by adapter); returns whether any row uses an adapter.
+        next_tokens: (token ids [m] int64 on the device, each row's index into them), the input
+        tokens when the host does not know them yet."""
+        self.copied.synchronize()
         h, n = self.host, len(order)
+        if next_tokens is not None:
+            h["src_rows"][:n], h["src_rows"][n:] = next_tokens[1], 0
         for i, seq in enumerate(order):
             pos = seq.num_computed
-            h["tokens"][i] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
+            if next_tokens is None:
+                h["tokens"][i] = seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1]
             h["positions"][i] = pos
             h["slots"][i] = seq.block_table[pos // block_size] * block_size + pos % block_size
             h["lens"][i] = pos + 1
@@ -94,6 +103,9 @@ class _Bucket:
             h["slot_ids"][j, : len(runs)] = np.where((slots >= 0) & has, slots, -1)
             h["slot_ids"][j, len(runs):] = -1
         self.device_buf.copy_(self.host_buf, non_blocking=True)
+        self.copied.record()
+        if next_tokens is not None:
+            self.dev["tokens"][:n].copy_(next_tokens[0].index_select(0, self.dev["src_rows"][:n]))
         return bool((slots >= 0).any())
 
 
@@ -128,11 +140,12 @@ class DecodeGraphs:
             logits = self.model.forward(inputs, self.kv)
         return graph, logits
 
-    def run(self, order) -> torch.Tensor:
-        """Logits [len(order), vocab] of one decode step; order: the sequences, sorted by adapter slot."""
+    def run(self, order, next_tokens=None) -> torch.Tensor:
+        """Logits [len(order), vocab] of one decode step; order: the sequences, sorted by adapter
+        slot; next_tokens: see _Bucket.fill (None: each row's last token, known on the host)."""
         size = next(b for b in self.buckets if b >= len(order))
         bucket = self._buckets[size]
-        lora = bucket.fill(order, self.model.lora_pool, self.block_size)
+        lora = bucket.fill(order, self.model.lora_pool, self.block_size, next_tokens)
         graph, logits = self._graphs[(size, lora)]
         graph.replay()
         return logits[: len(order)]

@@ -1,7 +1,8 @@
-"""The model runner: a schedule in, logits out. It picks how the step runs: on CUDA with
+"""The model runner: a schedule in, a StepOutput out. It picks how the step runs: on CUDA with
 shapes the paged kernels serve, a PagedBatch step, and for steps of decode rows only a
-replay of the CUDA graph of the batch's bucket (EngineConfig.cuda_graphs); else the
-AttentionGroup step of the CPU path. The model itself knows none of this."""
+replay of the CUDA graph of the batch's bucket (EngineConfig.cuda_graphs), with the next decode
+step launched ahead where it is certain (app/engine/run_ahead.py); else the AttentionGroup step
+of the CPU path. The model itself knows none of this."""
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,11 @@ import torch
 from app.engine.batch import build_paged_step, build_step
 from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import DecodeGraphs
+from app.engine.run_ahead import Ahead, next_decode
+from app.engine.sampler import fast_greedy
 from app.engine.scheduler import blocks_for
 from app.engine.sequence import Sequence
+from app.engine.step_output import GreedyReadback, StepOutput
 from ops import paged_attention, small_ops
 
 
@@ -26,6 +30,31 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, kv, config.max_num_seqs,
                                    min(blocks_for(max_model_len, config.block_size), config.num_kv_blocks),
                                    config.block_size, config.device) if self.paged and config.cuda_graphs else None
+        self.readback = GreedyReadback(config.max_num_seqs) if self.paged else None
+        self.ahead: Ahead | None = None
+        self.steps_taken_ahead = 0
+
+    def step(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
+        """This schedule's output: the step launched ahead if it computed it, else a step run now."""
+        ahead, self.ahead = self.ahead, None
+        out = ahead.take(scheduled) if ahead is not None else None
+        if out is not None:
+            self.steps_taken_ahead += 1
+            return out
+        logits, sampled = self.run(scheduled)
+        if self.readback is not None and all(fast_greedy(s) for s in sampled):
+            return StepOutput(sampled, greedy=self.readback.start(logits))
+        return StepOutput(sampled, logits=logits)
+
+    def run_ahead(self, out: StepOutput, scheduler) -> None:
+        """Queue the decode step that must follow `out` (called once its rows' num_computed count it)."""
+        nxt = next_decode(out, scheduler, self.config.block_size, self.graphs.max_batch) if self.graphs else None
+        if nxt is None:
+            return
+        order, src = nxt
+        positions = [s.num_computed for s in order]
+        logits = self.graphs.run(order, next_tokens=(out.greedy.argmax, src))
+        self.ahead = Ahead(order, positions, src, out, StepOutput(order, greedy=self.readback.start(logits)))
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [n, vocab] (fp32) and the n sequences whose next token they give, in row order."""

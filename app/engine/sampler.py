@@ -67,6 +67,17 @@ def _nonfinite(seq: Sequence) -> SampleError:
     return SampleError(f"{source} produced non-finite logits for this request; generation stopped")
 
 
+def fast_greedy(seq: Sequence) -> bool:
+    """Whether sample() gives this row its logits' argmax as is: greedy, no token to suppress, no logprobs."""
+    p = seq.params
+    return p.greedy and p.logprobs is None and len(seq.output_ids) >= p.min_tokens
+
+
+def greedy_tokens(argmax: list[int], finite: list[bool], seqs: list[Sequence]) -> list[int | SampleError]:
+    """sample()'s tokens for fast_greedy rows, from each row's argmax and finite flag computed elsewhere."""
+    return [t if ok else _nonfinite(s) for t, ok, s in zip(argmax, finite, seqs)]
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]):
     """logits: [n, vocab] fp32, one row per sequence → (tokens, logprob dicts or None),
     each list holding a SampleError instead for a request that could not be sampled."""

@@ -113,3 +113,54 @@ def test_engine_with_graphs_generates_what_it_does_without(model_dir):
         out[graphs], _, _ = run_to_completion(_engine(model_dir, torch.float16, graphs), requests)
     same = sum(out[True][r] == out[False][r] for r in out[True])
     assert same >= 18, (same, len(out[True]))  # fp16 near-ties may break either way
+
+
+def _generate(model_dir, requests, ahead):
+    engine = _engine(model_dir, torch.float16)
+    if not ahead:
+        engine.runner.run_ahead = lambda out, scheduler: None
+    tokens, reasons, _ = run_to_completion(engine, requests)
+    return tokens, reasons, engine.runner.steps_taken_ahead
+
+
+def test_steps_launched_ahead_generate_what_steps_run_in_turn_do(model_dir):
+    """Greedy requests of one length (the steps launched ahead are the steps the scheduler plans,
+    same buckets): bit-identical tokens with and without launching ahead, most steps taken ahead."""
+    rng = random.Random(3)
+    names = [None, *sorted(model_dir[1])]
+    requests = {k: [GenerateRequest(f"s{k}_{i}", tuple(rng.randrange(512) for _ in range(rng.randint(3, 60))),
+                                    SamplingParams(max_tokens=24, temperature=0.0), names[(i + k) % len(names)])
+                    for i in range(12)] for k in (0, 30)}
+    on, reasons_on, taken = _generate(model_dir, requests, ahead=True)
+    off, reasons_off, _ = _generate(model_dir, requests, ahead=False)
+    assert on == off and reasons_on == reasons_off
+    assert taken >= 30, taken
+
+
+def test_steps_launched_ahead_with_stops_sampling_and_logprobs(model_dir):
+    """Requests that end early (stop tokens, lengths), seeded sampling and logprobs rows beside
+    greedy ones, arrivals while others decode: the same generations as without launching ahead
+    (rows dropped from a step launched ahead leave the others as a smaller batch computes them:
+    tokens compared, fp16 near-ties may break either way)."""
+    rng = random.Random(4)
+    names = [None, *sorted(model_dir[1])]
+    base = {f"r{i}": tuple(rng.randrange(512) for _ in range(rng.randint(3, 60))) for i in range(24)}
+    plain, _, _ = _generate(model_dir, {0: [GenerateRequest(r, p, SamplingParams(max_tokens=20, temperature=0.0),
+                                                            names[i % len(names)])
+                                            for i, (r, p) in enumerate(base.items())]}, ahead=False)
+
+    def params(i, rid):
+        if i % 6 == 1:
+            return SamplingParams(max_tokens=20, temperature=0.8, seed=i)
+        if i % 6 == 2:
+            return SamplingParams(max_tokens=20, temperature=0.0, logprobs=2)
+        stop = (plain[rid][5 + i % 7],) if i % 3 == 0 else ()  # ends partway for sure
+        return SamplingParams(max_tokens=8 + i, temperature=0.0, stop_token_ids=stop)
+    requests = {}
+    for i, (rid, prompt) in enumerate(base.items()):
+        requests.setdefault(3 * (i // 8), []).append(GenerateRequest(rid, prompt, params(i, rid), names[i % len(names)]))
+    on, reasons_on, taken = _generate(model_dir, requests, ahead=True)
+    off, reasons_off, _ = _generate(model_dir, requests, ahead=False)
+    same = sum(on[r] == off[r] and reasons_on[r] == reasons_off[r] for r in on)
+    assert same >= len(on) - 2, (same, len(on))
+    assert taken > 0

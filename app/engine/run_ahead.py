@@ -1,0 +1,71 @@
+"""Decode steps launched one step ahead, so the host's work between steps hides behind the GPU.
+
+After step N is queued, and before its tokens reach the host, step N+1 is queued behind it when
+it can only be a plain decode step of the same requests: every running request was sampled by
+step N, greedily with nothing to suppress (sampler.fast_greedy), the free KV blocks cover the
+requests whose next token starts a block (they get them now, as the scheduler would first thing
+next step, so it allocates and preempts nothing), and no waiting request could join (none waits,
+or the batch stays full). Requests that step N ends by length are left out. Step N+1 is a
+CUDA-graph decode step whose input tokens are step N's argmax, read on the device; everything
+else it needs (positions, slots, block tables, adapter segments) is known.
+
+The engine's next step takes it if what the scheduler then plans is a decode step of a subset of
+those requests, each still at the position and with the token the step ran on; rows of requests
+that ended meanwhile (stop token, abort) are dropped, as a smaller batch would compute the others
+(row results do not depend on each other). Otherwise it is discarded: its KV writes went to
+slots that the real step rewrites, or to blocks of ended requests, which later owners write after
+it in stream order; its cost is one wasted decode step on the GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.engine.sampler import fast_greedy
+from app.engine.sequence import Sequence
+from app.engine.step_output import StepOutput
+
+
+@dataclass
+class Ahead:
+    order: list[Sequence]  # the rows of the step launched ahead
+    positions: list[int]  # each row's num_computed it ran at
+    src_rows: list[int]  # each row's row in `previous`, whose argmax was its input token
+    previous: StepOutput
+    output: StepOutput
+
+    def take(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput | None:
+        """The output for this schedule if the step launched ahead computed it, else None."""
+        index = {id(s): i for i, s in enumerate(self.order)}
+        rows = []
+        for seq, n in scheduled:
+            i = index.get(id(seq), -1)
+            if n != 1 or i < 0 or seq.num_computed != self.positions[i] or not seq.output_ids \
+                    or seq.output_ids[-1] != self.previous.token_of_row(self.src_rows[i]):
+                return None
+            rows.append(i)
+        rows.sort()
+        return StepOutput([self.order[i] for i in rows], greedy=self.output.greedy, rows=rows)
+
+
+def next_decode(out: StepOutput, scheduler, block_size: int, max_batch: int) -> tuple[list[Sequence], list[int]] | None:
+    """The rows (and their rows in `out`) of the decode step that follows `out` for sure, or None;
+    rows whose next token starts a block are given it."""
+    running = scheduler.running
+    if out.greedy is None or len(out.sampled) != len(running) or not all(fast_greedy(s) for s in out.sampled):
+        return None
+    order, src = [], []
+    for row, seq in zip(out.rows, out.sampled):
+        if len(seq.output_ids) + 1 < seq.params.max_tokens:  # else step N's token ends it
+            order.append(seq)
+            src.append(row)
+    if not order or len(order) > max_batch:
+        return None
+    if scheduler.waiting and len(order) < scheduler.config.max_num_seqs:
+        return None
+    growing = [s for s in order if s.num_computed >= len(s.block_table) * block_size]
+    if len(growing) > scheduler.allocator.num_free:
+        return None
+    for seq in growing:
+        seq.block_table += scheduler.allocator.allocate(1)
+    by_adapter = sorted(range(len(order)), key=lambda i: order[i].lora_slot)  # one SGMV segment per adapter
+    return [order[i] for i in by_adapter], [src[i] for i in by_adapter]
