@@ -5,6 +5,7 @@ contexts 256..4096, fp16, head dim 128; Llama-2-7B heads (32 / 32 KV) and a GQA 
 On the device:  python benchmarks/attention.py [--vllm]   (--vllm after `source .vllm-peer/install.sh`)
 Anywhere:       python benchmarks/attention.py --plot-only
 
+Ours is also timed at every split count in SPLITS, beside the one decode_splits picks.
 Each kernel is captured as a one-call CUDA graph and replayed behind an L2 flush, median of
 CUDA-event timings (benchmarks/method.py). Floor: K and V of every context, q and out, once,
 over the copy bandwidth measured here. Peers in the same run: the gather + masked SDPA path
@@ -28,6 +29,7 @@ from ops import paged_attention as pa  # noqa: E402
 SEQS, D, BS = 32, 128, 16
 CONTEXTS = (256, 512, 1024, 2048, 4096)
 SHAPES = {"mha_32_32": (32, 32), "gqa_32_8": (32, 8)}
+SPLITS = (1, 2, 4, 8)  # grid.z values timed beside decode_splits' choice
 
 
 def _case(heads, kv_heads, ctx, gen):
@@ -60,6 +62,8 @@ def measure(vllm_ops, bw):
             ours = lambda: pa.paged_decode(out, q, k, v, tables, lens, D**-0.5, splits)  # noqa: E731
             floor = (2 * k.numel() * 2 + 2 * q.numel() * 2) / bw * 1e6
             row = dict(shape=shape, context=ctx, seqs=SEQS, splits=splits, floor_us=floor, ours_us=time_graph(ours, flush))
+            row["ours_us_by_splits"] = {n: time_graph(lambda n=n: pa.paged_decode(out, q, k, v, tables, lens, D**-0.5, n),
+                                                      flush) for n in SPLITS}
             group = _gather_group(tables, ctx)
             ref = torch.empty_like(q)
             gather_path.paged_attention(ref, q, k, v, (group,), D**-0.5)

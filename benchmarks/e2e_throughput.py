@@ -6,18 +6,20 @@ Anywhere:       python benchmarks/e2e_throughput.py --plot-only
 Llama-2-7B shape, random fp16 weights; rank-16 adapters on all seven projections (8 distinct
 random weight sets, shared by adapter names beyond 8: every name is its own pool slot and
 copy, the values do not change the work); N requests queued at once, prompt 128 random
-tokens, 128 new (greedy, no stop); max batch 32 and 64; workloads backbone (no adapter),
-identical (one adapter), uniform (⌈√N⌉ adapters, equal shares), skewed (Zipf 1.5 over N
-adapters), distinct (N adapters). tok_s = generated tokens / wall time from queueing to
-the last token, adapter copies, prefill and decode all inside.
+tokens, 128 new (greedy, no stop); max batch 32 and 64; at max batch 32 also ShareGPT-like
+lengths (lognormal, σ 1, with ShareGPT's mean prompt 161 and output 338 tokens as the vLLM
+paper (SOSP '23, §6.1) gives them, clipped to 4..1024, drawn per request and workload);
+workloads backbone (no adapter), identical (one adapter), uniform (⌈√N⌉ adapters, equal
+shares), skewed (Zipf 1.5 over N adapters), distinct (N adapters). tok_s = generated tokens /
+wall time from queueing to the last token, adapter copies, prefill and decode all inside.
 
 Peers in the same run: HF transformers `generate` backbone-only on one batch of max_batch
 requests (same lengths), and HF + PEFT with `adapter_names` on a mixed batch of 8 adapters
 (fewer new tokens: it is much slower). Roofline: for every step the engine ran, the bytes
 a decode step must read (weights, each sequence's KV, that step's distinct adapters) over
 the copy bandwidth measured here, plus prefill FLOPs (2·params per token + attention) over
-the fp16 matmul rate measured here. A torch profile of full-batch decode steps gives the
-step-time breakdown (attention / GEMMs / LoRA / other).
+the fp16 matmul rate measured here. benchmarks/step_profile.py gives the step-time breakdown
+of full-batch decode steps (wall time; attention / GEMMs / LoRA / other from a torch profile).
 """
 import argparse
 import dataclasses
@@ -34,8 +36,12 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.method import copy_bandwidth, save_figure  # noqa: E402
+from benchmarks.hf_peers import hf_peers  # noqa: E402
+from benchmarks.step_profile import profile_breakdown  # noqa: E402
 
 WORKLOADS = ("backbone", "identical", "uniform", "skewed", "distinct")
+KV_BLOCKS_PER_SEQ = 128  # 2048 tokens: room for the ShareGPT-like lengths
+SHAREGPT = dict(prompt=161, output=338, sigma=1.0, lo=4, hi=1024)
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPE = dict(vocab=32000, hidden=4096, inter=11008, layers=32, heads=32, kv_heads=32, head_dim=128)
 
@@ -95,17 +101,17 @@ def assignment(workload: str, n: int, rng: random.Random) -> list[int | None]:
 
 
 class StepLog:
-    """What each runner call computed, for the roofline: decode rows' contexts and adapters, prefill tokens."""
+    """What each engine step computed, for the roofline: decode rows' contexts and adapters, prefill tokens."""
 
     def __init__(self, runner):
-        self.steps, self._run = [], runner.run
-        runner.run = self.run
+        self.steps, self._step = [], runner.step
+        runner.step = self.step
 
-    def run(self, scheduled):
+    def step(self, scheduled):
         decode = [(s.num_computed + 1, s.lora_slot) for s, n in scheduled if n == 1]
         prefill = [(s.num_computed, n) for s, n in scheduled if n > 1]
         self.steps.append((decode, prefill))
-        return self._run(scheduled)
+        return self._step(scheduled)
 
 
 def roofline_seconds(steps, cfg, bandwidth, flops_rate, adapter_bytes):
@@ -147,21 +153,33 @@ def engine_for(model, max_batch, num_requests):
     from app.engine.config import EngineConfig
     from app.engine.core import EngineCore
 
-    cfg = EngineConfig(max_num_seqs=max_batch, max_tokens_per_step=2048, num_kv_blocks=max_batch * 20 + 64,
+    cfg = EngineConfig(max_num_seqs=max_batch, max_tokens_per_step=2048, num_kv_blocks=max_batch * KV_BLOCKS_PER_SEQ + 64,
                        max_loras=max_batch, max_lora_rank=16, dtype=torch.float16, device="cuda", max_model_len=4096)
     start = time.perf_counter()
     engine = EngineCore(model, None, None, cfg)
     return engine, time.perf_counter() - start
 
 
-def run_workload(engine, pool_adapters, workload, n, prompt, new, rng):
+def lengths(kind: str, n: int, rng: random.Random) -> list[tuple[int, int]]:
+    """(prompt, new tokens) of each request: "128/128", or "sharegpt" (see the module docstring)."""
+    if kind == "128/128":
+        return [(128, 128)] * n
+    g = SHAREGPT
+
+    def draw(mean):
+        return min(g["hi"], max(g["lo"], round(rng.lognormvariate(math.log(mean) - g["sigma"] ** 2 / 2, g["sigma"]))))
+    return [(draw(g["prompt"]), draw(g["output"])) for _ in range(n)]
+
+
+def run_workload(engine, pool_adapters, workload, n, sizes, rng):
     from app.protocol import GenerateRequest, SamplingParams
 
     log = StepLog(engine.runner)
     which = assignment(workload, n, rng)
+    ahead_before = engine.runner.steps_taken_ahead
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for i, a in enumerate(which):
+    for i, (a, (prompt, new)) in enumerate(zip(which, sizes)):
         req = GenerateRequest(f"{workload}{i}", tuple(rng.randrange(32000) for _ in range(prompt)),
                               SamplingParams(max_tokens=new, temperature=0.0), None if a is None else f"a{a}")
         engine.add(req, adapter=None if a is None else pool_adapters[a])
@@ -170,78 +188,8 @@ def run_workload(engine, pool_adapters, workload, n, prompt, new, rng):
         generated += sum(len(c.token_ids) for c in engine.step() if hasattr(c, "token_ids"))
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    engine.runner.run = log._run
-    return generated, wall, log.steps
-
-
-def profile_breakdown(engine, pool_adapters, workload, batch, rng):
-    """Per-category GPU time of full-batch decode steps (kernel names from a torch profile)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    from app.protocol import GenerateRequest, SamplingParams
-
-    which = assignment(workload, batch, rng)
-    for i, a in enumerate(which):
-        req = GenerateRequest(f"p{workload}{i}", tuple(rng.randrange(32000) for _ in range(128)),
-                              SamplingParams(max_tokens=40, temperature=0.0), None if a is None else f"a{a}")
-        engine.add(req, adapter=None if a is None else pool_adapters[a])
-    for _ in range(12):  # prefill and first decode steps out of the way
-        engine.step()
-    torch.cuda.synchronize()
-    steps = 10
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / steps
-    while engine.has_work():
-        engine.step()
-    cats = {"attention": 0.0, "gemm": 0.0, "lora": 0.0, "other": 0.0}
-    for e in prof.events():
-        if e.device_type != DeviceType.CUDA:  # kernels and copies only
-            continue
-        us, name = e.device_time_total, e.name.lower()
-        cat = "attention" if "paged_decode" in name or "flash" in name else "lora" if "sgmv" in name else \
-            "gemm" if any(k in name for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")) else "other"
-        cats[cat] += us / 1e3 / steps
-    return {"workload": workload, "max_batch": batch, "step_wall_ms": 1e3 * wall, **{f"{k}_ms": v for k, v in cats.items()}}
-
-
-def hf_peers(cfg, batch, prompt, new, peft_new):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                     num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                     num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=4096, eos_token_id=None,
-                     pad_token_id=0, tie_word_embeddings=False)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(hc).to(torch.float16).eval()
-    ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
-    rows = []
-
-    def gen(m, n_new, **kw):
-        m.generate(ids[:, :8], max_new_tokens=2, min_new_tokens=2, do_sample=False, **kw)  # warm-up
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = m.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, **kw)
-        torch.cuda.synchronize()
-        return (out.shape[1] - prompt) * batch / (time.perf_counter() - start)
-
-    with torch.no_grad():
-        rows.append(("hf", "backbone", gen(model, new)))
-        lcfg = LoraConfig(r=16, lora_alpha=32, target_modules=list(MODULES), init_lora_weights=False, task_type="CAUSAL_LM")
-        peft = get_peft_model(model, lcfg, adapter_name="p0")
-        for k in range(1, 8):
-            peft.add_adapter(f"p{k}", lcfg)
-        peft = peft.to(torch.float16).eval()
-        names = [f"p{i % 8}" for i in range(batch)]
-        rows.append(("hf_peft", "uniform8", gen(peft, peft_new, adapter_names=names)))
-    del model, peft
-    torch.cuda.empty_cache()
-    return rows
+    engine.runner.step = log._step
+    return generated, wall, log.steps, engine.runner.steps_taken_ahead - ahead_before
 
 
 def plot(data, png):
@@ -250,22 +198,22 @@ def plot(data, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    batches = sorted({r["max_batch"] for r in data["rows"]})
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
-    for ax, b in zip(axes[0], batches):
-        ours = [r for r in data["rows"] if r["system"] == "loraplex" and r["max_batch"] == b]
+    panels = sorted({(r["max_batch"], r["lengths"]) for r in data["rows"] if r["system"] == "loraplex"},
+                    key=lambda p: (p[1] != "128/128", p[0]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (b, kind) in zip(axes[0], panels):
+        ours = [r for r in data["rows"] if r["system"] == "loraplex" and r["max_batch"] == b and r["lengths"] == kind]
         x = np.arange(len(ours))
         ax.bar(x - 0.2, [r["tok_s"] for r in ours], 0.4, label="loraplex")
         ax.bar(x + 0.2, [r["roofline_tok_s"] for r in ours], 0.4, label="roofline", alpha=0.5)
         for r in data["rows"]:
-            if r["system"] != "loraplex" and r["max_batch"] == b:
+            if r["system"] != "loraplex" and r["max_batch"] == b and r["lengths"] == kind:
                 ax.axhline(r["tok_s"], ls="--", color="gray" if r["system"] == "hf" else "red",
                            label=f"{r['system']} {r['workload']}")
-        ax.set(xticks=x, title=f"max batch {b}", ylabel="tokens / s")
+        ax.set(xticks=x, title=f"max batch {b}, prompt / new {kind}", ylabel="tokens / s")
         ax.set_xticklabels([r["workload"] for r in ours])
         ax.legend(fontsize=7)
-    save_figure(fig, f"Llama-2-7B shape fp16, rank 16, {data['requests']} requests, prompt 128 / 128 new, "
-                     f"{data['device']}", png)
+    save_figure(fig, f"Llama-2-7B shape fp16, rank 16, {data['requests']} requests, {data['device']}", png)
 
 
 def main():
@@ -273,6 +221,7 @@ def main():
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results" / "e2e_throughput_h200.json")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--batches", default="32,64")
+    ap.add_argument("--sharegpt-batches", default="32", help="max batches that also run ShareGPT-like lengths")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args()
     if args.plot_only:
@@ -292,23 +241,30 @@ def main():
                 copy_bandwidth_Bps=bw, matmul_flops=rate, startup=capture, breakdown=breakdown, rows=rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save = lambda: args.out.write_text(json.dumps(data, indent=1))  # noqa: E731  (after every part)
+    sharegpt_batches = {int(b) for b in args.sharegpt_batches.split(",") if b}
     for batch in map(int, args.batches.split(",")):
         pool = LoraPool(cfg.shape, PoolConfig(batch, 16, torch.float16, "cuda"))
         model = LlamaModel(cfg, weights, pool)
         engine, startup = engine_for(model, batch, args.requests)
         capture[batch] = {"engine_start_s": startup, "graph_capture_s": engine.runner.graphs.capture_seconds}
         print(f"max batch {batch}: engine start {startup:.1f} s (graphs {capture[batch]['graph_capture_s']:.1f} s)")
-        for workload in WORKLOADS:
-            rng = random.Random(f"{workload}{batch}")
-            generated, wall, steps = run_workload(engine, names, workload, args.requests, 128, 128, rng)
-            roof = generated / roofline_seconds(steps, cfg, bw, rate, adapter_bytes)
-            rows.append(dict(system="loraplex", workload=workload, max_batch=batch, tok_s=generated / wall,
-                             roofline_tok_s=roof, steps=len(steps), wall_s=wall))
-            print(f"  {workload:9s} {generated / wall:8.0f} tok/s  roofline {roof:8.0f}  ({100 * generated / wall / roof:.0f} %)"
-                  f"  {len(steps)} steps {wall:.2f} s", flush=True)
-        save()
-        for workload in ("backbone", "distinct"):
-            breakdown.append(profile_breakdown(engine, names, workload, batch, random.Random(5)))
+        for kind in ("128/128", "sharegpt") if batch in sharegpt_batches else ("128/128",):
+            for workload in WORKLOADS:
+                rng = random.Random(f"{workload}{batch}{kind}")
+                sizes = lengths(kind, args.requests, rng)
+                generated, wall, steps, ahead = run_workload(engine, names, workload, args.requests, sizes, rng)
+                roof = generated / roofline_seconds(steps, cfg, bw, rate, adapter_bytes)
+                rows.append(dict(system="loraplex", workload=workload, max_batch=batch, tok_s=generated / wall,
+                                 roofline_tok_s=roof, lengths=kind, steps=len(steps), steps_launched_ahead=ahead,
+                                 wall_s=wall, mean_prompt=float(np.mean([p for p, _ in sizes])),
+                                 mean_new=float(np.mean([n for _, n in sizes]))))
+                print(f"  {kind:8s} {workload:9s} {generated / wall:8.0f} tok/s  roofline {roof:8.0f}  "
+                      f"({100 * generated / wall / roof:.0f} %)  {len(steps)} steps ({ahead} launched ahead) {wall:.2f} s",
+                      flush=True)
+            save()
+        for workload in ("backbone", "identical", "distinct"):
+            rng = random.Random(5)
+            breakdown.append(profile_breakdown(engine, names, workload, assignment(workload, batch, rng), rng))
             print("  profile", breakdown[-1], flush=True)
         save()
         del engine, model, pool
@@ -316,15 +272,16 @@ def main():
     del weights
     torch.cuda.empty_cache()
     for batch in map(int, args.batches.split(",")):
-        for system, workload, tok_s in hf_peers(cfg, batch, 128, 128, 16):
-            rows.append(dict(system=system, workload=workload, max_batch=batch, tok_s=tok_s, roofline_tok_s=None))
+        for system, workload, tok_s in hf_peers(cfg, batch, 128, 128, 16, MODULES):
+            rows.append(dict(system=system, workload=workload, max_batch=batch, tok_s=tok_s, roofline_tok_s=None,
+                             lengths="128/128"))
             print(f"  {system:8s} {workload:9s} batch {batch}: {tok_s:8.0f} tok/s", flush=True)
     save()
     plot(data, args.out.with_suffix(".png"))
-    print(f"\n{'system':9s} {'workload':10s} {'batch':>5s} {'tok/s':>8s} {'roofline':>9s}")
+    print(f"\n{'system':9s} {'workload':10s} {'lengths':8s} {'batch':>5s} {'tok/s':>8s} {'roofline':>9s} {'%':>4s}")
     for r in rows:
-        roof = f"{r['roofline_tok_s']:9.0f}" if r["roofline_tok_s"] else f"{'':9s}"
-        print(f"{r['system']:9s} {r['workload']:10s} {r['max_batch']:5d} {r['tok_s']:8.0f} {roof}")
+        roof = f"{r['roofline_tok_s']:9.0f} {100 * r['tok_s'] / r['roofline_tok_s']:4.0f}" if r["roofline_tok_s"] else ""
+        print(f"{r['system']:9s} {r['workload']:10s} {r.get('lengths', '128/128'):8s} {r['max_batch']:5d} {r['tok_s']:8.0f} {roof}")
 
 
 if __name__ == "__main__":
