@@ -10,11 +10,15 @@ every decode step re-reads the whole context, so the gather costs a decode step'
 once per prefill step: CUDA C++ is spent where the bytes are.
 
 Measured (H200, benchmarks/results/attention_h200.json, 32 sequences, fp16, D 128): Llama-2-7B
-heads (32 / 32 KV) 61 µs at context 256 to 708 µs at 4096, 1.94x to 1.40x the bytes over the
-copy bandwidth; GQA 32 / 8 KV 36 to 307 µs (4.5x to 2.4x). vLLM's Triton unified_attention in
-the same run is faster (52 to 569 µs; 25 to 240 µs), the gather + SDPA path this replaced
-2.7x to 3.0x slower (1.8x to 2.0x with 8 KV heads). CUDA C++ was kept because its grid is a function of the batch shape
-only (one graph per batch bucket) and it compiles in CI; the gap to vLLM is open work.
+heads (32 / 32 KV) 61 µs at context 256 to 707 µs at 4096, 1.92x to 1.39x the bytes over the
+copy bandwidth; GQA 32 / 8 KV 36 to 308 µs (4.5x to 2.4x). vLLM's Triton unified_attention in
+the same run is faster (51 to 564 µs; 25 to 241 µs), the gather + SDPA path this replaced
+2.8x to 3.0x slower (1.8x to 2.0x with 8 KV heads). CUDA C++ was kept because its grid is a
+function of the batch shape only (one graph per batch bucket) and it compiles in CI; the gap to
+vLLM is open work. decode_splits' count is within 0.90x to 1.13x of the best of 1, 2, 4 and 8
+splits at every context measured (no fixed count is best at both short and long contexts); 16-byte
+V loads for groups of 1-2 heads were slower (80 registers instead of 64: 65.8 against 61.2 µs at
+context 256; docs/gpu_engine.md).
 
 Layouts: caches [blocks, block_size, kv_heads, D] fp16/bf16; q, out [tokens, heads, D];
 block tables int32 [seqs, >= max blocks]; lengths int32. Nothing here reads device memory on
