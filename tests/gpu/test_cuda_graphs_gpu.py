@@ -1,7 +1,7 @@
 """Decode CUDA graphs: replaying a bucket's graph gives bit for bit what the same inputs give
 run eagerly, at every bucket, for Distinct, mixed-rank and base+LoRA batches (random KV
-contents, block tables and lengths); and the engine with graphs on generates what it
-generates with them off."""
+contents, block tables and lengths); the engine with graphs on generates what it generates
+with them off, and with decode steps launched ahead what it generates running them in turn."""
 import random
 import time
 
