@@ -6,9 +6,12 @@ reserve); ties → the oldest replica (Serve's downscale stops the newest first,
 the released replicas are the idle ones); among equals, one where the adapter is
 already resident. Replica stats are stale by up to the polling period, so the
 router adds what it sent to each replica that the replica's last report does not yet
-list among its arrivals (cluster/stats.py). No
-replica with room → the request waits, first come first served, and Serve retries
-it (with backoff) until one has room; `max_queued_requests` bounds that queue.
+list among its arrivals (cluster/stats.py), and what it chose but has not sent yet. No
+replica with room → the request waits and Serve retries it (every 10–100 ms) until one
+has room; `max_queued_requests` bounds that queue. Waiting requests are retried in
+arrival order as far as Serve's routing tasks go (at most two per replica at once): a
+strict first-come-first-served gate here would deadlock, since the oldest waiting
+request need not hold a routing task.
 
 `rank` is the whole policy as a pure function (tested without Ray);
 `ConsolidatingRouter` feeds it from Serve and follows its order.
@@ -109,6 +112,9 @@ class ConsolidatingRouter(RequestRouter):
         # a request waiting for room is retried every 10–100 ms (Serve's default backs off to 0.5 s)
         self.update_backoff_params(initial_backoff_s=0.01, backoff_multiplier=2, max_backoff_s=0.1)
         self._sent: dict[str, list[tuple[float, str, int]]] = defaultdict(list)  # replica → [(sent at, key, blocks)]
+        # Serve probes the chosen replica (an RPC) before it sends, and routes several requests
+        # at once: what was chosen but not yet sent counts too, or a burst lands on one replica
+        self._reserved: dict[int, tuple[PendingRequest, str, int]] = {}  # id(pending) → (pending, replica, blocks)
         self._routed = Counter("loraplex_router_requests_routed", "requests routed, by replica", tag_keys=("target_replica",))
         self._queue = Gauge("loraplex_router_queue_length", "requests waiting for a replica with room")
         self._wait = Histogram("loraplex_router_wait_for_room_s", "time a request waited for a replica with room",
@@ -120,23 +126,24 @@ class ConsolidatingRouter(RequestRouter):
             # Serve retries without sleeping unless told to back off (its locality mixin sets
             # this; this router has none): a busy loop that starves the router's event loop
             pending_request.routing_context.should_backoff = True
-        waiting = [p for p in self._pending_requests_to_fulfill if not p.future.done()]
-        self._queue.set(len(waiting))
-        if pending_request is not None and any(p.created_at < pending_request.created_at for p in waiting):
-            return []  # first come, first served: an older request is still waiting for room
+        self._queue.set(sum(not p.future.done() for p in self._pending_requests_to_fulfill))
+        self._reserved = {k: r for k, r in self._reserved.items() if not r[0].future.done() and r[0] is not pending_request}
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r) for r in candidate_replicas]
         need = need_of(pending_request, self.policy)
         order = rank(views, need, self.policy)
         log.debug("route %s: candidates %s -> %s", getattr(pending_request and pending_request.metadata, "request_id", "?"),
                   [(v.replica_id, v.stats.batch if v.stats else None, v.sent) for v in views], order or "wait")
+        if order and pending_request is not None:
+            self._reserved[id(pending_request)] = (pending_request, order[0], self._blocks(need))
         # one replica per rank: Serve picks the least loaded *within* a rank, which would undo the policy
         return [[by_id[i]] for i in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         rid = replica_id.unique_id
         need = need_of(pending_request, self.policy)
-        self._sent[rid].append((time.time(), need.key, math.ceil(need.tokens / self.policy.block_size)))
+        self._reserved.pop(id(pending_request), None)
+        self._sent[rid].append((time.time(), need.key, self._blocks(need)))
         self._routed.inc(tags={"target_replica": rid})
         self._wait.observe(max(0.0, time.time() - pending_request.created_at))
 
@@ -151,8 +158,12 @@ class ConsolidatingRouter(RequestRouter):
 
             replicas_stopping(gone)
 
+    def _blocks(self, need: Need) -> int:
+        return math.ceil(need.tokens / self.policy.block_size)
+
     def _view(self, replica: RunningReplica) -> ReplicaView:
         rid = replica.replica_id.unique_id
         stats = ReplicaStats.from_dict(replica.routing_stats)
         sent = self._sent[rid] = unreported(self._sent.get(rid, []), stats)
-        return ReplicaView(rid, stats, len(sent), sum(b for _, _, b in sent))
+        chosen = [b for _, r, b in self._reserved.values() if r == rid]
+        return ReplicaView(rid, stats, len(sent) + len(chosen), sum(b for _, _, b in sent) + sum(chosen))
