@@ -6,15 +6,15 @@ from cluster.autoscaling import POLICY_PATH, PolicyConfig, ReplicaLoad, decide, 
 CFG = PolicyConfig(upscale_delay_s=2.0, downscale_delay_s=10.0, high_water=0.9)
 
 
-def load(name, running=0, waiting=0, idle_since=0.0, free_kv=100, max_batch=8, draining=False):
-    return ReplicaLoad(name, running, waiting, max_batch, free_kv, 100, idle_since, draining)
+def load(name, running=0, waiting=0, idle_since=0.0, free_kv=100, max_batch=8, draining=False, started_at=0.0):
+    return ReplicaLoad(name, running, waiting, max_batch, free_kv, 100, idle_since, draining, started_at)
 
 
-def run(ticks, target, current, min_r=0, max_r=8):
+def run(ticks, target, current, min_r=0, max_r=8, cfg=CFG):
     """ticks: [(now, loads, queued)] → the decisions, one shared state like the controller's."""
     state, out = {}, []
     for now, loads, queued in ticks:
-        d = decide(now, target, current, loads, queued, min_r, max_r, CFG, state)
+        d = decide(now, target, current, loads, queued, min_r, max_r, cfg, state)
         out.append(d)
         target = current = d.target
     return out
@@ -31,6 +31,21 @@ def test_a_queue_that_clears_before_the_delay_adds_nothing():
     busy = [load("a", running=7)]  # below the high-water mark: only the queue could add a replica
     ds = run([(0.0, busy, 5), (1.5, busy, 0), (2.5, busy, 5), (4.0, busy, 5)], target=1, current=1)
     assert all(d.target == 1 for d in ds)
+
+
+def test_a_queue_shorter_than_half_the_look_back_window_is_no_queue():
+    busy = [load("a", running=2, max_batch=2)]  # Ray's queued is a mean over the window
+    no_high_water = PolicyConfig(upscale_delay_s=2.0, downscale_delay_s=10.0, high_water=2.0)
+    assert all(d.target == 1 for d in run([(t / 10, busy, 0.3) for t in range(40)], 1, 1, cfg=no_high_water))
+    ds = run([(t / 10, busy, 0.6) for t in range(25)], 1, 1, cfg=no_high_water)
+    assert [(d.reason, d.target) for d in ds if d.reason != "hold"][0] == ("queue", 2)
+
+
+def test_requests_held_at_the_router_while_a_replica_reports_room_are_no_queue():
+    steady = [load("a", running=3, max_batch=5)]
+    assert all(d.target == 1 for d in run([(t / 10, steady, 2.0) for t in range(40)], target=1, current=1))
+    ds = run([(t / 10, steady, 4.0) for t in range(25)], target=1, current=1)
+    assert [(d.reason, d.target) for d in ds if d.reason != "hold"][0] == ("queue", 2)  # 2 beyond its room
 
 
 def test_replicas_already_starting_count_against_the_need():
@@ -54,17 +69,33 @@ def test_every_replica_above_high_water_adds_one():
     assert run([(0.0, one_with_room, 0), (5.0, one_with_room, 0)], target=2, current=2)[-1].target == 2
 
 
-def test_down_only_by_the_replicas_idle_for_the_delay():
-    loads = [load("a", running=3), load("b", idle_since=100.0), load("c", idle_since=105.0)]
-    assert decide(109.0, 3, 3, loads, 0, 0, 8, CFG, {}).target == 3
-    d = decide(111.0, 3, 3, loads, 0, 0, 8, CFG, {})
-    assert (d.reason, d.target, d.idle) == ("idle", 2, ("b",))
+def test_down_only_by_the_replicas_idle_for_the_delay_at_the_newest_end():
+    loads = [load("a", running=3, started_at=1), load("b", idle_since=100.0, started_at=2),
+             load("c", idle_since=105.0, started_at=3)]
+    # b has been idle for the delay, but Ray would stop c, the newest, idle for only 6 s
+    assert decide(111.0, 3, 3, loads, 0, 0, 8, CFG, {}).target == 3
     d = decide(116.0, 3, 3, loads, 0, 0, 8, CFG, {})
-    assert (d.target, d.idle) == (1, ("b", "c"))
+    assert (d.reason, d.target, d.going) == ("idle", 1, ("c", "b"))
+
+
+def test_an_idle_replica_behind_a_busy_newer_one_waits_then_the_busy_one_goes():
+    loads = [load("old", idle_since=100.0, started_at=1), load("new", running=2, started_at=2)]
+    assert decide(115.0, 2, 2, loads, 0, 0, 8, CFG, {}).target == 2  # Ray would stop "new": give it time to empty
+    state = {}
+    d = decide(120.0, 2, 2, loads, 0, 0, 8, CFG, state)  # idle for the delay twice over
+    assert (d.reason, d.target, d.going) == ("idle_behind_busy", 1, ("new",))
+    # "old" will take the streams that move: it does not justify another release meanwhile,
+    # and full with them it asks for no replica either
+    assert decide(120.2, 1, 1, [loads[0]], 0, 0, 8, CFG, state).target == 1
+    full = [load("old", running=8, started_at=1)]
+    assert decide(125.0, 1, 1, full, 0, 0, 8, CFG, {**state, "full_since": 120.5}).target == 1
+    emptied = [loads[0], load("new", idle_since=108.0, started_at=2)]
+    d = decide(119.0, 2, 2, emptied, 0, 0, 8, CFG, {})  # it emptied in time: both are idle, nothing migrates
+    assert (d.reason, d.target, d.going) == ("idle", 0, ("new", "old"))
 
 
 def test_a_replica_released_once_is_not_counted_again_while_serve_stops_it():
-    loads = [load("a", running=3), load("b", idle_since=1.0)]
+    loads = [load("a", running=3, started_at=1), load("b", idle_since=1.0, started_at=2)]
     state = {}
     assert decide(50.0, 2, 2, loads, 0, 0, 8, CFG, state).target == 1
     # Serve still lists b as running (current = target = 1 after its own bookkeeping)
@@ -86,6 +117,13 @@ def test_no_scale_down_while_requests_wait_or_replicas_start_or_stop():
     assert decide(50.0, 2, 2, idle, 1, 0, 8, CFG, {}).target == 2  # something waits: b will get it
     assert decide(50.0, 3, 2, idle, 0, 0, 8, CFG, {}).target == 3  # a third replica is starting
     assert decide(50.0, 1, 2, idle, 0, 0, 8, CFG, {}).target == 1  # b is being stopped: not again
+
+
+def test_a_running_replica_that_has_not_reported_holds_the_downscale_and_counts_as_starting():
+    loads = [load("a", idle_since=1.0, started_at=1)]  # b runs but has not reported: it is the newest
+    assert decide(50.0, 2, 2, loads, 0, 0, 8, CFG, {}, unreported=1).target == 2
+    busy = [load("a", running=8, started_at=1)]
+    assert decide(50.0, 2, 2, busy, 8, 0, 8, CFG, {"waiting_since": 0.0, "full_since": 0.0}, unreported=1).target == 2
 
 
 def test_draining_and_unreported_replicas_are_neither_idle_nor_full():
