@@ -51,7 +51,6 @@ def _stats(core) -> dict:
 class LoraReplica:
     def __init__(self, settings: ReplicaSettings, registry, engine_factory: Callable = build_async_engine):
         """registry: a handle to AdapterRegistry; engine_factory(settings) → an AsyncEngine (a seam for tests)."""
-        self.started_at = time.time()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.block_size = settings.engine.block_size
         self.engine = engine_factory(settings)
@@ -63,6 +62,8 @@ class LoraReplica:
         self.held = 0  # generate() calls in progress
         self.arrivals: deque[tuple[float, str]] = deque()  # (wall time, arrival_key), the last ARRIVALS_WINDOW_S
         self.metrics = EngineMetrics(self.engine).start()  # the engine's Prometheus series (app/engine_metrics.py)
+        # when it came up, as Serve orders replicas for a scale-down (newest first)
+        self.started_at = time.time()
 
     async def generate(self, request: GenerateRequest, adapter: AdapterSpec | None,
                        epoch: int) -> AsyncIterator[Chunk | LoraplexError]:

@@ -5,8 +5,8 @@ room (batch below its limit and enough free KV blocks for the prompt plus a
 reserve); ties → the oldest replica (Serve's downscale stops the newest first, so
 the released replicas are the idle ones); among equals, one where the adapter is
 already resident. Replica stats are stale by up to the polling period, so the
-router adds what it sent to each replica that the replica's last report does not yet
-list among its arrivals (cluster/stats.py), and what it chose but has not sent yet. No
+router counts each request on the replica it chose for it, from the moment it chose it
+until the replica's report lists the request among its arrivals (cluster/stats.py). No
 replica with room → the request waits and Serve retries it (every 10–100 ms) until one
 has room; `max_queued_requests` bounds that queue. Waiting requests are retried in
 arrival order as far as Serve's routing tasks go (at most two per replica at once): a
@@ -28,7 +28,7 @@ from typing import List, Optional
 from ray.serve.metrics import Counter, Gauge, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from cluster.stats import ReplicaStats, arrival_key
+from cluster.stats import ARRIVALS_WINDOW_S, ReplicaStats, arrival_key
 
 log = logging.getLogger("ray.serve")
 
@@ -112,9 +112,10 @@ class ConsolidatingRouter(RequestRouter):
         # a request waiting for room is retried every 10–100 ms (Serve's default backs off to 0.5 s)
         self.update_backoff_params(initial_backoff_s=0.01, backoff_multiplier=2, max_backoff_s=0.1)
         self._sent: dict[str, list[tuple[float, str, int]]] = defaultdict(list)  # replica → [(sent at, key, blocks)]
-        # Serve probes the chosen replica (an RPC) before it sends, and routes several requests
-        # at once: what was chosen but not yet sent counts too, or a burst lands on one replica
-        self._reserved: dict[int, tuple[PendingRequest, str, int]] = {}  # id(pending) → (pending, replica, blocks)
+        # Serve sends to the chosen replica and waits for it to accept (a round trip) before it
+        # reports the request routed, and routes several requests at once: a request counts on
+        # the replica chosen for it from the moment it is chosen, or a burst lands on one replica
+        self._chosen: dict[int, tuple[str, tuple[float, str, int]]] = {}  # id(pending) → (replica, sent entry)
         self._routed = Counter("loraplex_router_requests_routed", "requests routed, by replica", tag_keys=("target_replica",))
         self._queue = Gauge("loraplex_router_queue_length", "requests waiting for a replica with room")
         self._wait = Histogram("loraplex_router_wait_for_room_s", "time a request waited for a replica with room",
@@ -127,7 +128,8 @@ class ConsolidatingRouter(RequestRouter):
             # this; this router has none): a busy loop that starves the router's event loop
             pending_request.routing_context.should_backoff = True
         self._queue.set(sum(not p.future.done() for p in self._pending_requests_to_fulfill))
-        self._reserved = {k: r for k, r in self._reserved.items() if not r[0].future.done() and r[0] is not pending_request}
+        if pending_request is not None:  # routed again (the last choice was full or rejected it)
+            self._uncount(self._chosen.pop(id(pending_request), None))
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r) for r in candidate_replicas]
         need = need_of(pending_request, self.policy)
@@ -135,15 +137,20 @@ class ConsolidatingRouter(RequestRouter):
         log.debug("route %s: candidates %s -> %s", getattr(pending_request and pending_request.metadata, "request_id", "?"),
                   [(v.replica_id, v.stats.batch if v.stats else None, v.sent) for v in views], order or "wait")
         if order and pending_request is not None:
-            self._reserved[id(pending_request)] = (pending_request, order[0], self._blocks(need))
+            entry = self._entry(need)
+            self._sent[order[0]].append(entry)
+            self._chosen[id(pending_request)] = (order[0], entry)
         # one replica per rank: Serve picks the least loaded *within* a rank, which would undo the policy
         return [[by_id[i]] for i in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         rid = replica_id.unique_id
-        need = need_of(pending_request, self.policy)
-        self._reserved.pop(id(pending_request), None)
-        self._sent[rid].append((time.time(), need.key, self._blocks(need)))
+        chosen = self._chosen.pop(id(pending_request), None)
+        if chosen is None or chosen[0] != rid:  # sent to a later rank: count it there instead
+            self._uncount(chosen)
+            self._sent[rid].append(self._entry(need_of(pending_request, self.policy)))
+        horizon = time.time() - ARRIVALS_WINDOW_S  # choices never reported routed (rejected, cancelled)
+        self._chosen = {k: c for k, c in self._chosen.items() if c[1][0] >= horizon}
         self._routed.inc(tags={"target_replica": rid})
         self._wait.observe(max(0.0, time.time() - pending_request.created_at))
 
@@ -158,12 +165,15 @@ class ConsolidatingRouter(RequestRouter):
 
             replicas_stopping(gone)
 
-    def _blocks(self, need: Need) -> int:
-        return math.ceil(need.tokens / self.policy.block_size)
+    def _entry(self, need: Need) -> tuple[float, str, int]:
+        return time.time(), need.key, math.ceil(need.tokens / self.policy.block_size)
+
+    def _uncount(self, chosen: tuple[str, tuple[float, str, int]] | None) -> None:
+        if chosen is not None and chosen[1] in self._sent.get(chosen[0], ()):
+            self._sent[chosen[0]].remove(chosen[1])
 
     def _view(self, replica: RunningReplica) -> ReplicaView:
         rid = replica.replica_id.unique_id
         stats = ReplicaStats.from_dict(replica.routing_stats)
         sent = self._sent[rid] = unreported(self._sent.get(rid, []), stats)
-        chosen = [b for _, r, b in self._reserved.values() if r == rid]
-        return ReplicaView(rid, stats, len(sent) + len(chosen), sum(b for _, _, b in sent) + sum(chosen))
+        return ReplicaView(rid, stats, len(sent), sum(b for _, _, b in sent))

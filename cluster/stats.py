@@ -30,7 +30,7 @@ class ReplicaStats:
     block_size: int  # tokens per KV block
     resident_adapters: tuple[str, ...]  # adapters whose weights sit in a GPU pool slot
     draining: bool  # being emptied: the router sends it nothing new
-    started_at: float  # wall time the replica started (ties → the oldest)
+    started_at: float  # wall time the replica finished starting (ties → the oldest)
     reported_at: float  # wall time of this report
     held: int  # requests inside the replica: arriving (adapter load), queued or running
     arrivals: tuple[str, ...]  # arrival_key of each request that reached it since arrivals_since
