@@ -70,8 +70,11 @@ def deployment_options(policy: str) -> dict:
                    "look_back_period_s": 2.0, **DELAYS}
     if policy == "default":  # Ray Serve's router and queue-length policy (its default target, 2 ongoing)
         autoscaling["policy"] = {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}
+    # max_ongoing_requests = the batch for both: Serve then never queues more in a replica than
+    # it batches, so requests that find no room wait at the router, where the autoscaler sees them
     args = {"max_batch_size": MAX_BATCH, "num_kv_blocks": 512, "block_size": 16,
-            "replica": {"autoscaling_config": autoscaling, "ray_actor_options": {"num_cpus": 0.1}}}
+            "replica": {"autoscaling_config": autoscaling, "max_ongoing_requests": MAX_BATCH,
+                        "ray_actor_options": {"num_cpus": 0.1}}}
     options = parse_args(args, "simulated").replica_options
     if policy == "default":
         options.pop("request_router_config", None)
@@ -79,45 +82,59 @@ def deployment_options(policy: str) -> dict:
 
 
 class Sampler:
-    """Every replica actor of the app: alive count and each one's batch, every period_s."""
+    """Every replica actor of the app: alive count and each one's batch, every period_s
+    (one stats call in flight per replica, so a starting replica stalls no sample)."""
 
     def __init__(self, app: str, period_s: float = 0.5):
-        self.app, self.period_s = app, period_s
+        self.prefix, self.period_s = f"SERVE_REPLICA::{app}#LoraReplica#", period_s
         self.rows: list[tuple[float, dict[str, int]]] = []  # (t, replica → running; −1 = not reporting yet)
+        self._handles, self._asked, self._last = {}, {}, {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self):
         import ray
 
-        prefix = f"SERVE_REPLICA::{self.app}#LoraReplica#"
         while not self._stop.wait(self.period_s):
-            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-            refs = {n: ray.get_actor(n, namespace="serve").record_routing_stats.remote() for n in names}
-            row = {}
-            for n, ref in refs.items():
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["name"].startswith(self.prefix)]
+            for n in names:
+                self._handles.setdefault(n, ray.get_actor(n, namespace="serve"))
+                if n not in self._asked.values():
+                    self._asked[self._handles[n].record_routing_stats.remote()] = n
+            ready, _ = ray.wait(list(self._asked), num_returns=len(self._asked), timeout=0.2)
+            for ref in ready:
+                n = self._asked.pop(ref)
                 try:
-                    stats = ray.get(ref, timeout=2)
-                    row[n] = stats["running"] if stats else -1
-                except Exception:
-                    row[n] = -1
-            self.rows.append((time.time(), row))
+                    stats = ray.get(ref)
+                    self._last[n] = stats["running"] if stats else -1
+                except Exception:  # constructing or stopped
+                    self._last[n] = -1
+            self.rows.append((time.time(), {n[len(self.prefix):]: self._last.get(n, -1) for n in names}))
 
 
-async def run_policy(policy: str, arrivals, max_batch: int) -> dict:
-    from ray import serve
-
+def simulated_replica(policy: str):
+    """The LoraReplica deployment with the simulated engine core (the CPU run)."""
     from app.engine.config import EngineConfig
     from app.engine.simulated import StepTime, simulated_engine
-    from app.protocol import GenerateRequest, SamplingParams
     from app.replica import LoraReplica, ReplicaSettings
+
+    settings = ReplicaSettings(None, EngineConfig(max_num_seqs=MAX_BATCH, num_kv_blocks=512, block_size=16), (),
+                               migrate_locally=False)
+    return LoraReplica.options(**deployment_options(policy)).bind(
+        settings, None, functools.partial(simulated_engine, StepTime(**STEP)))
+
+
+async def run_policy(policy: str, arrivals, replica, max_batch: int = MAX_BATCH, new_tokens: int = NEW_TOKENS,
+                     vocab: int = 32000, step: dict | None = STEP) -> dict:
+    """Replay ``arrivals`` through the bound LoraReplica deployment ``replica``; the summary
+    (``step``: the step-time model the replicas sleep, None for a real engine)."""
+    from ray import serve
+
+    from app.protocol import GenerateRequest, SamplingParams
     from cluster.migration import MigrationPolicy, ResubmittingStream
 
     app = f"diurnal-{policy}"
-    settings = ReplicaSettings(None, EngineConfig(max_num_seqs=max_batch, num_kv_blocks=512, block_size=16), (),
-                               migrate_locally=False)
-    replica = LoraReplica.options(**deployment_options(policy)).bind(
-        settings, None, functools.partial(simulated_engine, StepTime(**STEP)))
     serve.run(replica, name=app, route_prefix=None)
     handle = serve.get_deployment_handle("LoraReplica", app).options(stream=True)
     submit = lambda r: handle.generate.remote(r, None, 0)  # noqa: E731
@@ -129,8 +146,8 @@ async def run_policy(policy: str, arrivals, max_batch: int) -> dict:
     async def one(i: int, at: float, adapter: str):
         await asyncio.sleep(max(0.0, start + at - time.time()))
         rng = random.Random(i)
-        request = GenerateRequest(f"{policy}-{i}", tuple(rng.randrange(32000) for _ in range(PROMPT)),
-                                  SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, seed=i),
+        request = GenerateRequest(f"{policy}-{i}", tuple(rng.randrange(vocab) for _ in range(PROMPT)),
+                                  SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, seed=i),
                                   adapter)
         sent, times, tokens, moves, ok = time.time(), [], 0, 0, False
         try:
@@ -140,7 +157,7 @@ async def run_policy(policy: str, arrivals, max_batch: int) -> dict:
                     times.append(time.time())
                     tokens += len(chunk.token_ids)
             moves = len(stream.moves)
-            ok = tokens == NEW_TOKENS
+            ok = tokens == new_tokens
         except Exception as exc:  # counted as lost, with its reason
             print(f"  {request.request_id} lost: {type(exc).__name__}: {exc}", flush=True)
         records.append({"arrival": sent - start, "times": [t - start for t in times], "ok": ok, "moves": moves})
@@ -150,10 +167,10 @@ async def run_policy(policy: str, arrivals, max_batch: int) -> dict:
     sampler._stop.set()
     sampler._thread.join()
     serve.delete(app)
-    return summarize(records, sampler.rows, start, max_batch)
+    return summarize(records, sampler.rows, start, max_batch, step)
 
 
-def summarize(records, rows, start, max_batch) -> dict:
+def summarize(records, rows, start, max_batch, step: dict | None = STEP) -> dict:
     ts = np.array([t - start for t, _ in rows])
     counts = np.array([len(r) for _, r in rows])
     dt = np.diff(ts, append=ts[-1])
@@ -164,6 +181,10 @@ def summarize(records, rows, start, max_batch) -> dict:
     ttft = [r["times"][0] - r["arrival"] for r in records if r["times"]]
     tbt = [b - a for r in records for a, b in zip(r["times"], r["times"][1:])]
     scale_events = int(np.count_nonzero(np.diff(counts)))
+    busy = [b for b in batches if b > 0]
+    # did the replicas keep the step-time model on this machine? a token per step, so the
+    # median gap between tokens should be the modeled decode step at the typical batch
+    modeled = step["base_s"] + step["per_request_s"] * float(np.median(busy)) if busy and step else None
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
     return {
         "requests": len(records), "lost": sum(not r["ok"] for r in records),
@@ -171,6 +192,7 @@ def summarize(records, rows, start, max_batch) -> dict:
         "share_batch_0": sum(d for d, b in replica_time if b == 0) / total,
         "share_batch_max": sum(d for d, b in replica_time if b >= max_batch) / total,
         "p50_ttft_s": pct(ttft, 50), "p99_ttft_s": pct(ttft, 99), "p50_tbt_s": pct(tbt, 50), "p99_tbt_s": pct(tbt, 99),
+        "modeled_step_s": modeled, "p50_tbt_over_model": pct(tbt, 50) / modeled if modeled and tbt else None,
         "migrations": sum(r["moves"] for r in records), "scale_events": scale_events,
         "max_replicas_seen": int(counts.max()) if len(counts) else 0, "mean_batch": float(np.mean(batches)) if batches else 0,
         "timeline": {"t": ts.round(2).tolist(), "replicas": counts.tolist(),
@@ -213,7 +235,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--duration", type=float, default=100.0, help="seconds of rising-then-falling load")
+    ap.add_argument("--duration", type=float, default=240.0, help="seconds of rising-then-falling load")
     ap.add_argument("--peak-rps", type=float, default=7.0)
     ap.add_argument("--plot-only", action="store_true")
     a = ap.parse_args()
@@ -230,7 +252,7 @@ def main():
     policies = {}
     for policy in ("default", "loraplex"):
         print(f"{policy}: {len(arrivals)} requests over {a.duration:g} s", flush=True)
-        policies[policy] = asyncio.run(run_policy(policy, arrivals, MAX_BATCH))
+        policies[policy] = asyncio.run(run_policy(policy, arrivals, simulated_replica(policy)))
     serve.shutdown()
     ray.shutdown()
     ratio = policies["loraplex"]["replica_seconds"] / policies["default"]["replica_seconds"]
@@ -241,7 +263,7 @@ def main():
               "replica_seconds_ratio": ratio, "policies": policies}
     OUT.write_text(json.dumps(result, indent=1))
     keys = ["requests", "lost", "replica_seconds", "share_batch_0_or_max", "p50_ttft_s", "p99_ttft_s", "p50_tbt_s",
-            "p99_tbt_s", "migrations", "scale_events", "max_replicas_seen"]
+            "p99_tbt_s", "p50_tbt_over_model", "migrations", "scale_events", "max_replicas_seen"]
     print(f"{'':24}" + "".join(f"{p:>14}" for p in policies))
     for k in keys:
         print(f"{k:24}" + "".join(f"{policies[p][k]:>14.3f}" if isinstance(policies[p][k], float)

@@ -53,7 +53,9 @@ DEFAULTS = {"upscale_delay_s": 1.0, "downscale_delay_s": 30.0, "metrics_interval
 class PolicyConfig:
     upscale_delay_s: float = 1.0
     downscale_delay_s: float = 30.0
-    high_water: float = 0.9  # share of max batch or of KV blocks above which a replica is full
+    # share of max batch or of KV blocks above which a replica counts as full: below 1, so the
+    # next replica starts while the last quarter of the batches fills, not once requests wait
+    high_water: float = 0.75
     release_grace_s: float = 10.0  # a replica asked to go, or made to take another's streams, is not counted
     # idle again for this long
     busy_newer_wait_s: float | None = None  # how long an idle replica waits for busier newer ones to empty
@@ -193,7 +195,7 @@ class ConsolidatingPolicy:
     """Ray Serve's class-callable policy form: instantiated once in the controller with
     the autoscaling config's `policy_kwargs`, then called with an AutoscalingContext."""
 
-    def __init__(self, upscale_delay_s: float = 1.0, downscale_delay_s: float = 30.0, high_water: float = 0.9,
+    def __init__(self, upscale_delay_s: float = 1.0, downscale_delay_s: float = 30.0, high_water: float = 0.75,
                  busy_newer_wait_s: float | None = None):
         self.cfg = PolicyConfig(upscale_delay_s, downscale_delay_s, high_water, busy_newer_wait_s=busy_newer_wait_s)
         self._metrics = None
