@@ -1,0 +1,93 @@
+"""Helpers for the cluster tests: a tiny random Llama that speaks the embedded model's
+tokenizer (real text, stop strings, chat template), engines slowed to a fixed step time,
+LoraReplica deployed on its own (no ingress), and direct access to each replica."""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+STEP_DELAY_S = 0.03  # the slowed engine's extra time per step: requests stay in flight long enough to observe
+
+
+def make_tiny_chat_llama(path: Path, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from app.model.default import default_model_dir
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        initializer_range=0.3, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    source = default_model_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
+    return path
+
+
+def slowed_engine(settings):
+    """The real engine, each step STEP_DELAY_S slower (a GPU-sized step on a tiny CPU model)."""
+    from app.replica import build_async_engine
+
+    engine = build_async_engine(settings)
+    step = engine.core.step
+
+    def slow_step():
+        time.sleep(STEP_DELAY_S)
+        return step()
+
+    engine.core.step = slow_step
+    return engine
+
+
+def replica_ids(app: str) -> list[str]:
+    """Ids of the LoraReplica actors alive now."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#LoraReplica#"
+    return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if isinstance(a, dict) and a["name"].startswith(prefix))
+
+
+def replica_actor(app: str, replica_id: str):
+    import ray
+
+    return ray.get_actor(f"SERVE_REPLICA::{app}#LoraReplica#{replica_id}", namespace="serve")
+
+
+def replica_report(app: str, replica_id: str):
+    """The replica's routing stats, read from it directly (not the router's stale copy)."""
+    import ray
+
+    from cluster.stats import ReplicaStats
+
+    return ReplicaStats.from_dict(ray.get(replica_actor(app, replica_id).record_routing_stats.remote(), timeout=30))
+
+
+def deploy_replicas(app: str, args: dict, adapters: tuple, engine_factory) -> None:
+    """LoraReplica alone (its router, no ingress or registry) with the app's `args`; its
+    replica count can be changed in place by `scale` (Serve's external scaler API)."""
+    from ray import serve
+
+    from app.config import parse_args
+    from app.replica import LoraReplica, ReplicaSettings
+
+    settings = parse_args(args, "model")
+    replica = LoraReplica.options(**settings.replica_options).bind(
+        ReplicaSettings(settings.model, settings.engine, adapters, migrate_locally=False), None, engine_factory)
+    serve.run(replica, name=app, route_prefix=None, external_scaler_enabled=True)
+
+
+def scale(app: str, num_replicas: int) -> None:
+    """Set the replica count as an autoscaler would: Serve picks which replicas stop."""
+    import ray
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    ray.get(controller.update_deployment_replicas.remote(DeploymentID("LoraReplica", app), num_replicas))
