@@ -98,7 +98,8 @@ class Decision:
 
 def decide(now: float, target: int, current: int, loads: list[ReplicaLoad], queued: float,
            min_replicas: int, max_replicas: int, cfg: PolicyConfig, state: dict, unreported: int = 0) -> Decision:
-    """The target replica count. ``state`` (mutated) keeps when waiting / all-full began.
+    """The target replica count. ``state`` (mutated) keeps when waiting / all-full began and
+    which replicas were released or made to take a released one's streams, and when.
     ``unreported``: running replicas with no report yet (just started: the newest, with room)."""
     live = [r for r in loads if not r.draining]
     # Requests queued at the router count only beyond the room the replicas report: the
