@@ -3,7 +3,7 @@
     python benchmarks/cluster_faults.py
 
 Two phases, every stream checked token for token against its uninterrupted output:
-- kills: 20 `ray.kill`s of replica actors holding streams in flight (one every ~2 s,
+- kills: 20 `ray.kill`s of replica actors holding streams in flight (one every 4 s,
   each time the replica of a running stream); every stream must complete identical.
 - soak: 500 requests, Poisson arrivals, small KV caches (forced migrations), 10 % of
   clients disconnect mid-stream, 2 replica kills; every request must end exactly once
@@ -30,6 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "cluster_faults.json"
 REPLICAS, MAX_BATCH, STEP_S = 3, 8, 0.01
+FAILOVER_WAIT_S = 120  # a moved request may wait this long for a replica (replacements start slowly on 2 cores)
 
 
 def deploy(app: str, num_kv_blocks: int):
@@ -41,7 +42,7 @@ def deploy(app: str, num_kv_blocks: int):
     from app.replica import LoraReplica, ReplicaSettings
 
     args = {"max_batch_size": MAX_BATCH, "num_kv_blocks": num_kv_blocks, "block_size": 4,
-            "cluster": {"routing_stats_period_s": 0.2, "max_migrations": 64, "failover_wait_s": 60},
+            "cluster": {"routing_stats_period_s": 0.2, "max_migrations": 64, "failover_wait_s": FAILOVER_WAIT_S},
             "replica": {"num_replicas": REPLICAS, "ray_actor_options": {"num_cpus": 0.1}}}
     settings = ReplicaSettings(None, EngineConfig(max_num_seqs=MAX_BATCH, num_kv_blocks=num_kv_blocks, block_size=4),
                                (), migrate_locally=False)
@@ -73,6 +74,7 @@ async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float
 
     live: dict[str, str] = {}  # request id → its replica now
     kills: list[str] = []
+    timeline: list[tuple[float, str]] = []  # (seconds from start, "kill" | a move's reason)
     out = {"complete": 0, "cancelled": 0, "lost": 0, "duplicated_tokens": 0, "migrations": 0, "failovers": 0,
            "ended_twice": 0}
     start = time.time()
@@ -84,6 +86,7 @@ async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float
             if targets:
                 kills.append(random.Random(len(kills)).choice(targets))
                 kill(app, kills[-1])
+                timeline.append((time.time() - start, "kill"))
 
     async def one(i: int, at: float):
         await asyncio.sleep(max(0.0, start + at - time.time()))
@@ -92,12 +95,17 @@ async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float
         n = rng.randint(20, 60)
         leave_at = rng.randint(1, n - 1) if rng.random() < disconnect else None
         request = GenerateRequest(f"{app}-{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, seed=i))
-        tokens, ends = [], 0
-        stream = await ResubmittingStream.open(submit, request, MigrationPolicy(max_migrations=64, failover_wait_s=60))
+        tokens, ends, seen, last = [], 0, [], None
+        policy = MigrationPolicy(max_migrations=64, failover_wait_s=FAILOVER_WAIT_S)
+        stream = await ResubmittingStream.open(submit, request, policy)
         chunks = stream.chunks()
         async for chunk in chunks:
+            moved = stream.moves[len(seen):]
+            seen += moved
+            timeline.extend((time.time() - start, reason) for reason, _ in moved)
             live[request.request_id] = stream.replica
             tokens += getattr(chunk, "token_ids", ())
+            last = chunk
             ends += bool(getattr(chunk, "finish_reason", None)) or not hasattr(chunk, "token_ids")
             if leave_at is not None and len(tokens) >= leave_at:
                 break
@@ -114,6 +122,8 @@ async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float
             out["complete"] += 1
         else:
             out["lost"] += 1
+            out["lost_examples"] = out.get("lost_examples", [])[:4] + [
+                f"{request.request_id}: {len(tokens)}/{n} tokens, moves {stream.moves}, last {last!r}"[:400]]
 
     task = asyncio.ensure_future(killer())
     await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
@@ -121,19 +131,46 @@ async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float
     out["kills"] = len(kills)
     out["requests"] = len(arrivals)
     out["wall_s"] = time.time() - start
+    out["timeline"] = sorted(timeline)
     return out
 
 
 def settle(app: str) -> list[dict]:
     """Wait for the replacements, then every replica's report (all must be empty)."""
+    import ray
+
     deadline = time.time() + 120
     while time.time() < deadline:
-        reports = replica_reports(app)
+        try:
+            reports = replica_reports(app)
+        except ray.exceptions.RayError:  # a replacement still starting
+            reports = []
         if len(reports) == REPLICAS and all(r and r["running"] == r["waiting"] == 0 and
                                             r["free_kv_blocks"] == r["total_kv_blocks"] for r in reports):
             return reports
         time.sleep(1)
     return replica_reports(app)
+
+
+def plot(phases: dict, png: pathlib.Path) -> None:
+    """Per phase: kills and moves (by reason) over time, and the outcome counts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 3.5))
+    for ax, (name, p) in zip(axes, phases.items()):
+        reasons = sorted({r for _, r in p["timeline"]})
+        for y, reason in enumerate(reasons):
+            ax.plot([t for t, r in p["timeline"] if r == reason], [y] * sum(r == reason for _, r in p["timeline"]),
+                    "|", markersize=12, label=reason)
+        ax.set(yticks=range(len(reasons)), yticklabels=reasons, xlabel="seconds",
+               title=f"{name}: {p['requests']} requests, {p['complete']} complete, {p['cancelled']} cancelled, "
+                     f"{p['lost']} lost")
+        ax.title.set_fontsize(9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=80)
 
 
 def main():
@@ -150,8 +187,10 @@ def main():
     rng = random.Random(5)
     phases = {}
     submit = deploy("kills", num_kv_blocks=512)
-    arrivals = [i * 0.05 for i in range(30 * a.kills)]  # a steady stream, so every kill hits live streams
-    phases["kills"] = asyncio.run(run("kills", submit, arrivals, a.kills, 2.0, 0.0, seed=1))
+    kill_every_s = 4.0  # about the time Serve takes to start a replacement on two cores
+    # a steady stream that outlasts the kills, so every kill hits live streams
+    arrivals = [i * 0.1 for i in range(int(a.kills * kill_every_s * 1.2 / 0.1))]
+    phases["kills"] = asyncio.run(run("kills", submit, arrivals, a.kills, kill_every_s, 0.0, seed=1))
     phases["kills"]["replicas_after"] = settle("kills")
     serve.delete("kills")
     submit = deploy("soak", num_kv_blocks=48)  # 192 tokens for up to 8 requests of up to 72: preemption
@@ -165,11 +204,12 @@ def main():
     ray.shutdown()
     total = lambda k: sum(p[k] for p in phases.values())  # noqa: E731
     result = {"date": datetime.date.today().isoformat(), "machine": "CPU, simulated engine (see docstring)",
-              "replicas": REPLICAS, "max_batch": MAX_BATCH, "step_s": STEP_S,
+              "replicas": REPLICAS, "max_batch": MAX_BATCH, "step_s": STEP_S, "failover_wait_s": FAILOVER_WAIT_S,
               "requests": total("requests"), "lost": total("lost"), "duplicated_tokens": total("duplicated_tokens"),
               "migrations": total("migrations"), "failovers": total("failovers"), "kills": total("kills"),
               "phases": phases}
     OUT.write_text(json.dumps(result, indent=1))
+    plot(phases, OUT.with_suffix(".png"))
     keys = ["requests", "complete", "cancelled", "lost", "ended_twice", "duplicated_tokens", "migrations", "failovers",
             "kills", "wall_s"]
     print(f"{'':18}" + "".join(f"{p:>10}" for p in phases))
