@@ -9,8 +9,8 @@ waiting in the router for a replica with room (`ctx.total_queued_requests`).
 
 Decisions (`decide`, a pure function):
 - up, when requests have waited for room for `upscale_delay_s` (queued at the router
-  beyond the batch room the replicas report, or queued in an engine): by as many replicas
-  as that work needs (⌈waiting / max batch⌉, less
+  beyond the batch room the replicas report, or queued in an engine whose batch or KV is
+  full): by as many replicas as that work needs (⌈waiting / max batch⌉, less
   the replicas already starting), within max_replicas;
 - up by one, when every replica has been above `high_water` of its batch or of its KV
   blocks for `upscale_delay_s` (not within `release_grace_s` of a release: the streams
@@ -106,9 +106,12 @@ def decide(now: float, target: int, current: int, loads: list[ReplicaLoad], queu
     # router holds a request a moment longer than needed while a replica's report still
     # lists requests that have finished. queued is Ray's mean over look_back_period_s: a
     # request that waited for less than half of it is no queue.
+    # An engine's waiting requests count when its batch or KV is full: with room, they are
+    # just requests that arrived since its last step.
     room = sum(max(0, r.max_batch - r.running - r.waiting) for r in live)
     held = math.floor(queued + 0.5)
-    waiting = max(0, held - room) + sum(r.waiting for r in live)
+    waiting = max(0, held - room) + sum(r.waiting if r.full(cfg.high_water) else
+                                        max(0, r.running + r.waiting - r.max_batch) for r in live)
     max_batch = max((r.max_batch for r in live), default=1)
     starting = max(0, target - current) + unreported  # replicas about to take work
     need = math.ceil(waiting / max_batch) if waiting > 0 else 0

@@ -48,6 +48,14 @@ def test_requests_held_at_the_router_while_a_replica_reports_room_are_no_queue()
     assert [(d.reason, d.target) for d in ds if d.reason != "hold"][0] == ("queue", 2)  # 2 beyond its room
 
 
+def test_requests_an_engine_queues_only_until_its_next_step_are_no_queue():
+    arriving = [load("a", running=2, waiting=1, max_batch=5)]  # room: admitted at the next step
+    assert all(d.target == 1 for d in run([(t / 10, arriving, 0) for t in range(40)], target=1, current=1))
+    kv_full = [load("a", running=2, waiting=1, max_batch=5, free_kv=5)]
+    ds = run([(t / 10, kv_full, 0) for t in range(25)], target=1, current=1)
+    assert [(d.reason, d.target) for d in ds if d.reason != "hold"][0] == ("queue", 2)
+
+
 def test_replicas_already_starting_count_against_the_need():
     state = {"waiting_since": 0.0}
     d = decide(3.0, 3, 1, [load("a", running=8)], 12, 0, 8, CFG, state)

@@ -59,8 +59,8 @@ threading.Thread(target=_loop.run_forever, daemon=True).start()  # one client lo
 def deploy(app: str, autoscaling: dict, max_batch: int) -> None:
     from ray import serve
 
-    # max_ongoing_requests = the batch: the router can commit one replica to several requests
-    # before the first is counted there, and Serve's own limit then turns the extra ones away
+    # max_ongoing_requests = the batch: Serve's own limit backs the router's count, so a
+    # replica never holds more than it batches (the app's default allows 4 batches)
     args = config_args(max_batch_size=max_batch, adapter_dirs=[],
                        replica={"autoscaling_config": {**FAST_METRICS, **autoscaling}, "max_ongoing_requests": max_batch,
                                 "ray_actor_options": {"num_cpus": 0.1}})
