@@ -16,7 +16,8 @@ Decisions (`decide`, a pure function):
   blocks for `upscale_delay_s` (not within `release_grace_s` of a release: the streams
   of a released busy replica fill the others for a moment);
 - down, only by the replicas that have held no request for `downscale_delay_s` and
-  that Ray will stop (see below); min_replicas may be 0: the next
+  that Ray will stop (see below), and not while every other replica is above `high_water`
+  (the idle one is about to be needed); min_replicas may be 0: the next
   request then waits at the handle while Serve starts a replica, Ray's cold-start path;
 - otherwise hold. Every change is logged with its reason and counted in metrics.
 
@@ -151,6 +152,10 @@ def _release_idle(now: float, target: int, live: list[ReplicaLoad], min_replicas
     patience = cfg.downscale_delay_s if cfg.busy_newer_wait_s is None else cfg.busy_newer_wait_s
     patient = [r.replica for r, t in zip(newest_first, idle_for) if t >= cfg.downscale_delay_s + patience]
     count = min(max(at_end, len(patient)), target - min_replicas)
+    # keep an idle replica while every other is above high water: it is about to be needed
+    # (releasing it now brought a scale-up right after, and the streams routed to it meanwhile moved)
+    while count > 0 and all(r.full(cfg.high_water) for r in newest_first[count:]) and newest_first[count:]:
+        count -= 1
     if count <= 0:
         return Decision(target, "hold", "steady")
     going = tuple(r.replica for r in newest_first[:count])  # what Ray stops, newest first

@@ -86,6 +86,15 @@ def test_down_only_by_the_replicas_idle_for_the_delay_at_the_newest_end():
     assert (d.reason, d.target, d.going) == ("idle", 1, ("c", "b"))
 
 
+def test_an_idle_replica_stays_while_every_other_is_above_high_water():
+    full = [load("a", running=8, started_at=1), load("b", running=8, started_at=2),
+            load("c", idle_since=1.0, started_at=3)]
+    assert decide(50.0, 3, 3, full, 0, 0, 8, CFG, {}).target == 3
+    room = [full[0], load("b", running=4, started_at=2), full[2]]
+    d = decide(50.0, 3, 3, room, 0, 0, 8, CFG, {})
+    assert (d.reason, d.target, d.going) == ("idle", 2, ("c",))
+
+
 def test_an_idle_replica_behind_a_busy_newer_one_waits_then_the_busy_one_goes():
     loads = [load("old", idle_since=100.0, started_at=1), load("new", running=2, started_at=2)]
     assert decide(115.0, 2, 2, loads, 0, 0, 8, CFG, {}).target == 2  # Ray would stop "new": give it time to empty
