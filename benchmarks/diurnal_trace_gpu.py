@@ -6,9 +6,9 @@ comparison against Ray Serve's defaults is the CPU run (benchmarks/diurnal_trace
 
     python benchmarks/diurnal_trace_gpu.py --out results.json     # on the GPU machine
 
-Not yet run to completion: a first run at a peak of 16 requests/s of 256 new tokens against
-4 replicas of batch 4 was still streaming its backlog when its 225 s ran out (no JSON); the
-defaults below ask for less (8 requests/s of 64 tokens at batch 8).
+A peak of 16 requests/s of 256 new tokens against 4 replicas of batch 4 outran a 225 s run
+on the H200 (no JSON); the defaults ask for 8 requests/s of 64 tokens at batch 8, which a
+45 s trace completes in ~2 minutes (results/diurnal_trace_gpu_h200.json).
 
 The model has SmolLM2-135M's shape (30 layers, hidden 576, 9 heads, 3 KV heads) with
 random bf16 weights and no tokenizer (token ids in, token ids out); 100 adapter names,
