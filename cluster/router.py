@@ -127,9 +127,9 @@ class ConsolidatingRouter(RequestRouter):
             # Serve retries without sleeping unless told to back off (its locality mixin sets
             # this; this router has none): a busy loop that starves the router's event loop
             pending_request.routing_context.should_backoff = True
-        self._queue.set(sum(not p.future.done() for p in self._pending_requests_to_fulfill))
-        if pending_request is not None:  # routed again (the last choice was full or rejected it)
+            # routed again (the last choice was full or rejected it): that choice no longer counts
             self._uncount(self._chosen.pop(id(pending_request), None))
+        self._queue.set(sum(not p.future.done() for p in self._pending_requests_to_fulfill))
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r) for r in candidate_replicas]
         need = need_of(pending_request, self.policy)
