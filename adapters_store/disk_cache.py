@@ -134,7 +134,7 @@ class DiskCache:
         except BaseException:
             _unlink(Path(tmp))
             raise
-        _fsync_dir(directory)
+        fsync_dir(directory)
         with self._lock:
             self._track(path, len(blob))
         self._prune(keep=path)
@@ -193,7 +193,7 @@ def _rmdir_quiet(directory: Path) -> None:
         pass
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
