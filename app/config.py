@@ -68,7 +68,7 @@ class ClusterArgs(_Strict):
 
 
 class AppArgs(_Strict):
-    model: str | None = None  # HF checkpoint dir, .gguf file or s3://bucket/prefix/; None = the embedded SmolLM2-135M-Instruct
+    model: str | None = None  # checkpoint dir, .gguf or s3://bucket/prefix/; None: the embedded SmolLM2-135M-Instruct
     model_name: str | None = None  # the base model's `model` id in the API
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")

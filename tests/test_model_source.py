@@ -212,3 +212,25 @@ def test_checkpoints_that_are_no_safetensors_checkpoint_are_refused(env, tmp_pat
         resolve_model("gs://b/m")
     with pytest.raises(ConfigError, match="model: invalid S3 bucket name"):
         parse_args({"model": "s3://Bad_Bucket/m/"}, "x")
+
+
+@pytest.mark.slow
+def test_a_gguf_file_is_dequantized_once_into_the_cache(tmp_path, monkeypatch, default_model_dir):
+    """The embedded model's GGUF given as `model:` equals the default checkpoint made from it."""
+    from safetensors.torch import load_file
+
+    from app.model.default import GGUF_FILE, gguf_dir
+
+    gguf = Path(gguf_dir()) / GGUF_FILE
+    monkeypatch.setenv("LORAPLEX_CACHE", str(tmp_path))
+    entry = resolve_model(gguf)
+    assert entry.parent == (tmp_path / "gguf").resolve() and entry.name.startswith(gguf.stem)
+    assert sorted(p.name for p in entry.iterdir()) == sorted(p.name for p in default_model_dir.iterdir())
+    got, want = load_file(entry / "model.safetensors"), load_file(default_model_dir / "model.safetensors")
+    assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
+
+    def no_second_conversion(gguf, out):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr("app.model.gguf.write_checkpoint", no_second_conversion)
+    assert resolve_model(gguf) == entry  # a restart reuses the cached conversion

@@ -1,4 +1,4 @@
-"""Build an engine from a base model (a checkpoint directory, a .gguf file, s3://…; default: the embedded SmolLM2)."""
+"""Build an engine from a base model (a checkpoint directory, .gguf file or s3://…; default: the embedded SmolLM2)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,8 +23,8 @@ def load_tokenizer(path: Path):
 
 def build_engine(model_path: str | Path | None = None, config: EngineConfig = EngineConfig(),
                  adapters: dict[str, str] | None = None, tokenizer="auto", store: AdapterStore | None = None) -> EngineCore:
-    """An EngineCore for a Llama-family checkpoint (where it comes from: app/model/source.py). ``adapters`` (name → local
-    directory or s3:// URI) are registered in ``store`` (default: a new AdapterStore) and
+    """An EngineCore for a Llama-family checkpoint (found by app/model/source.py). ``adapters``
+    (name → local directory or s3:// URI) are registered in ``store`` (default: a new AdapterStore) and
     loaded once now, so a bad one fails at start-up."""
     from transformers import AutoConfig
 

@@ -8,7 +8,7 @@ load — ours and the HF reference's — reads the very same safetensors.
 import importlib.util
 from pathlib import Path
 
-from app.model.gguf import write_checkpoint
+from app.model.gguf import is_converted, write_checkpoint
 from app.model.node_cache import cache_root, fill_once
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,5 +27,5 @@ def gguf_dir() -> str:
 def default_model_dir() -> Path:
     """Path of the converted checkpoint, converting on first use (once per node)."""
     root = cache_root()
-    return fill_once(root, root / "smollm2-135m-instruct", lambda tmp: write_checkpoint(Path(gguf_dir()) / GGUF_FILE, tmp),
-                     lambda entry: (entry / "model.safetensors").is_file())
+    convert = lambda tmp: write_checkpoint(Path(gguf_dir()) / GGUF_FILE, tmp)  # noqa: E731
+    return fill_once(root, root / "smollm2-135m-instruct", convert, is_converted)

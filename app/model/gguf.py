@@ -9,6 +9,11 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 
+def is_converted(entry: Path) -> bool:
+    """Whether a cached conversion still holds its weights (it is published whole; this catches later damage)."""
+    return (entry / "model.safetensors").is_file()
+
+
 def write_checkpoint(gguf: Path, out: Path) -> None:
     """Dequantize gguf into out (an existing, empty directory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

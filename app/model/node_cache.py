@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from adapters_store.disk_cache import fsync_dir
+from adapters_store.disk_cache import fsync_path
 from adapters_store.errors import LoraplexError
 from adapters_store.paths import make_dirs
 
@@ -52,18 +52,11 @@ def fill_once(root: Path, entry: Path, fill: Callable[[Path], None], complete: C
         try:
             fill(tmp)
             for f in tmp.iterdir():  # the rename must never publish bytes not yet on disk
-                _fsync_file(f)
+                fsync_path(f)
             os.rename(tmp, entry)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        fsync_dir(parent)
+        fsync_path(parent)
     return entry
 
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -82,9 +82,9 @@ def fetch_checkpoint(uri: str, weights: bool = True, cfg: S3ModelConfig = S3Mode
     objects, manifest = _list_checkpoint(client, loc, weights)
     version = version_of(*(f"{o.name}:{o.size}:{o.etag}" for o in [*objects, *manifest]))
     root = cfg.root or cache_root() / "models"
+    fill = lambda tmp: _download(client, loc, objects, manifest, tmp, cfg)  # noqa: E731
     complete = lambda entry: all(_size_or_none(entry / o.name) == o.size for o in objects)  # noqa: E731
-    return fill_once(root, cache_dir(root, loc, version), lambda tmp: _download(client, loc, objects, manifest, tmp, cfg),
-                     complete)
+    return fill_once(root, cache_dir(root, loc, version), fill, complete)
 
 
 def _list_checkpoint(client, loc: S3Uri, weights: bool) -> tuple[list[_Object], list[_Object]]:

@@ -53,10 +53,9 @@ def no_safetensors(where: str, names) -> ModelSourceError:
 
 def _from_gguf(gguf: Path) -> Path:
     """The dequantized checkpoint of a GGUF file, cached by its path, size and modification time."""
-    from app.model.gguf import write_checkpoint
+    from app.model.gguf import is_converted, write_checkpoint
 
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
     root = cache_root() / "gguf"
-    return fill_once(root, root / f"{gguf.stem}-{key}", lambda tmp: write_checkpoint(gguf, tmp),
-                     lambda entry: (entry / "model.safetensors").is_file())
+    return fill_once(root, root / f"{gguf.stem}-{key}", lambda tmp: write_checkpoint(gguf, tmp), is_converted)
