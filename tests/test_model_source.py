@@ -130,11 +130,25 @@ def test_s3_model_downloads_once_verifies_and_generates_as_the_local_directory(e
     assert greedy(restarted, prompts) == from_dir
 
 
-def test_ingress_reads_config_and_tokenizer_files_only(env, sharded):
-    uri = upload(env, "ingress", "tiny", sharded)
-    entry = resolve_model(uri, weights=False)
-    assert not list(entry.glob("*.safetensors")) and (entry / "config.json").is_file()
-    assert object_requests(env, "ingress", "tiny", "GET", "model-") == 0
+def test_the_ingress_reads_config_and_tokenizer_only(env, sharded, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from app.ingress import _load_model_files
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, 320)}}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    with_tokenizer = tmp_path / "with-tokenizer"
+    with_tokenizer.mkdir()
+    for f in sharded.iterdir():
+        (with_tokenizer / f.name).write_bytes(f.read_bytes())
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(with_tokenizer)
+    uri = upload(env, "ingress", "tiny", with_tokenizer)
+
+    tokenizer, context = _load_model_files(uri)
+    assert tokenizer("w3 w14 w159")["input_ids"] == [3, 14, 159] and context == 512
+    assert object_requests(env, "ingress", "tiny", "GET", "tokenizer.json") == 1
+    assert object_requests(env, "ingress", "tiny", "GET", "model-") == 0  # no weights
 
 
 def test_single_part_objects_are_fetched_by_ranges_and_verified(env, sharded, tmp_path):
