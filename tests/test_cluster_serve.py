@@ -17,7 +17,7 @@ from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.protocol import ErrorChunk, GenerateRequest, SamplingParams, TokenChunk
 from app.registry import scan
-from cluster.migration import MigrationPolicy, ResubmittingStream, with_fixed_seed
+from app.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
 from tests.app_fixtures import config_args, serving, wait_for
 from tests.cluster_fixtures import (deploy_replicas, make_tiny_chat_llama, replica_actor, replica_ids, replica_report,
                                     scale, slowed_engine)
