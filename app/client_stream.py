@@ -71,10 +71,10 @@ _migrations = Counter("loraplex_migrations", "requests moved to another replica,
 
 
 def _replicas_leaving(replica_ids: set[str]) -> None:
-    """The router saw replicas leave the running set: their streams move."""
+    """The router (on its own event loop) saw replicas leave the running set: their streams move."""
     for rid in replica_ids:
         for stream in list(_live.get(rid, ())):
-            stream.stopping.set()
+            stream.loop.call_soon_threadsafe(stream.stop)
 
 
 on_replicas_leaving(_replicas_leaving)
@@ -93,7 +93,9 @@ class ResubmittingStream:
         self.moves: list[tuple[str, int]] = []  # (reason, tokens relayed) per move
         self.failed: tuple[str, ...] = ()
         self.replica: str | None = None
-        self.stopping = asyncio.Event()
+        self.stopping = False  # its replica is leaving: the read in progress ends as a move
+        self.loop = asyncio.get_running_loop()
+        self._step: asyncio.Future | None = None  # the read in progress
         self._generator = None
         self._first = None
 
@@ -161,7 +163,7 @@ class ResubmittingStream:
         if not isinstance(accepted, Accepted):
             raise TypeError(f"a replica stream must open with Accepted, not {type(accepted).__name__}")
         self.replica = accepted.replica_id
-        self.stopping.clear()
+        self.stopping = False
         _live.setdefault(self.replica, set()).add(self)
         first = await self._read()
         if isinstance(first, LoraplexError):  # rejected: bad input, not a replica failure
@@ -169,25 +171,29 @@ class ResubmittingStream:
             raise first
         return first
 
+    def stop(self) -> None:
+        self.stopping = True
+        if self._step is not None:
+            self._step.cancel()
+
     async def _read(self):
-        """The replica stream's next item; its failure or stop as a Migrate to act on."""
-        if self.stopping.is_set():
+        """The replica stream's next item; its failure or stop as a Migrate to act on. One
+        task per item (stop() cancels it), not a race of two: this runs for every item."""
+        if self.stopping:
             return self._stopped()
-        step = asyncio.ensure_future(self._generator.__anext__())
-        stop = asyncio.ensure_future(self.stopping.wait())
+        self._step = asyncio.ensure_future(self._generator.__anext__())
         try:
-            done, _ = await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if step not in done:
-            step.cancel()
-            return self._stopped()
-        try:
-            return step.result()
+            return await self._step
+        except asyncio.CancelledError:
+            if self.stopping and not asyncio.current_task().cancelling():  # stop(), not the caller leaving
+                return self._stopped()
+            raise
         except StopAsyncIteration:
             return self._failed(RuntimeError("the replica stream ended without a final chunk"))
         except REPLICA_FAILURES as exc:
             return self._failed(exc)
+        finally:
+            self._step = None
 
     def _failed(self, exc: BaseException) -> Migrate:
         log.warning("replica %s failed under %s (%s): failing over", self.replica, self.request.request_id,

@@ -215,3 +215,16 @@ def test_a_move_in_the_middle_of_a_coalesced_item_resumes_exactly(model, alone, 
     else:
         assert relayed == len(got[0].token_ids)  # only what the client had
     _close(_summary(got), _summary(alone(request)))
+
+
+def test_replica_code_runs_on_serves_loop_unless_the_config_says_otherwise():
+    """Serve then takes a stream's next item only after sending the previous one (coalescing)."""
+    from app.config import parse_args
+
+    def env(replica):
+        return parse_args({"replica": replica}, "m").replica_options["ray_actor_options"]["runtime_env"]["env_vars"]
+
+    assert env({"num_replicas": 1})["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    given = env({"ray_actor_options": {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1",
+                                                                    "X": "y"}}}})
+    assert given == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "X": "y"}

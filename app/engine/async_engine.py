@@ -190,7 +190,10 @@ class AsyncEngine:
     def _send(self) -> None:
         """Hand what this step delivered to each event loop: one wake-up per loop."""
         for loop, deliveries in self._outbox.items():
-            loop.call_soon_threadsafe(_hand_over, deliveries)
+            try:
+                loop.call_soon_threadsafe(_hand_over, deliveries)
+            except RuntimeError:  # that loop is closed: nobody reads its streams any more
+                log.warning("dropped %d chunks for a closed event loop", len(deliveries))
         self._outbox.clear()
 
     def _record(self, stream: _Stream, chunk: Chunk) -> None:
