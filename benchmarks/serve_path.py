@@ -4,18 +4,20 @@ real scheduler, a step that sleeps STEP_S, " <id>" per token), through the real 
 Serve's proxy and HTTP; before (BASE, run from a temporary `git worktree`) and after (this
 tree), in one invocation.
 
-    python benchmarks/serve_path.py              # ~2 × 100 s
+    python benchmarks/serve_path.py              # ~4 × 60 s
     python benchmarks/serve_path.py --plot-only
 
 Each variant runs in its own process with PYTHONPATH at its tree (Ray workers inherit it).
-Clients are closed-loop: each keeps one streaming /v1/completions request of MAX_TOKENS
-in flight; a raw asyncio HTTP/1.1 client counts the tokens each SSE event carries (an event
-may carry several). The engine alone could give CLIENTS / STEP_S tokens/s.
+Clients are closed-loop (benchmarks/sse_load.py): each keeps one streaming /v1/completions
+request of MAX_TOKENS in flight. The engine alone could give CLIENTS / STEP_S tokens/s: the
+path, not the engine, is what is measured. ROUNDS alternate before/after, as the machine's
+other load comes and goes.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import pathlib
@@ -25,40 +27,16 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.append(str(REPO))  # after PYTHONPATH: a variant's `app` comes from its own tree
+from benchmarks.sse_load import completion_body, http_client, summarize  # noqa: E402
+
 OUT = REPO / "benchmarks" / "results" / "serve_path.json"
 BASE = "29a69bf"  # the commit before coalesced streams
 CLIENTS, MAX_TOKENS, STEP_S = 64, 128, 0.002
-WARMUP_S, MEASURE_S = 8.0, 20.0
+WARMUP_S, MEASURE_S, ROUNDS = 5.0, 15.0, 2
 
 
 # -- one variant (a child process, PYTHONPATH at its tree) -------------------------------
-
-async def _client(port: int, deadline: list[float], stats: dict) -> None:
-    body = json.dumps({"model": "base", "prompt": [11, 22, 33, 44], "max_tokens": MAX_TOKENS, "stream": True,
-                       "temperature": 0.0}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    while time.monotonic() < deadline[0]:
-        writer.write(head + body)
-        start, first = time.monotonic(), None
-        while True:
-            line = await reader.readline()  # chunked framing lines and SSE lines alike
-            if line.startswith(b"data: [DONE]"):
-                break
-            if line.startswith(b"data: "):
-                text = json.loads(line[6:])["choices"][0]["text"]
-                if time.monotonic() >= deadline[1]:
-                    stats["tokens"] += text.count(" ")
-                    stats["events"] += 1
-                if first is None and text:
-                    first = time.monotonic() - start
-        while (await reader.readline()) not in (b"0\r\n", b""):  # the chunked body's end
-            pass
-        await reader.readline()
-        stats["ttft"].append(first)
-    writer.close()
-
 
 def run_variant(label: str) -> dict:
     import functools
@@ -77,20 +55,20 @@ def run_variant(label: str) -> dict:
     port = 18000 + os.getpid() % 1000
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(app_from_args(args, functools.partial(simulated_engine, StepTime(STEP_S))), name="path", route_prefix="/")
-    stats = {"tokens": 0, "events": 0, "ttft": []}
-    now = time.monotonic()
-    deadline = [now + WARMUP_S + MEASURE_S, now + WARMUP_S]
+    records: list = []
+    t0 = time.monotonic() + WARMUP_S
+    body = itertools.repeat(completion_body([11, 22, 33, 44], MAX_TOKENS, "base"))
 
     async def load():
-        await asyncio.gather(*(_client(port, deadline, stats) for _ in range(CLIENTS)))
+        await asyncio.gather(*(http_client(port, body, t0 + MEASURE_S, records) for _ in range(CLIENTS)))
 
     asyncio.run(load())
     serve.shutdown()
     ray.shutdown()
-    ttft = sorted(t for t in stats["ttft"] if t is not None)
-    return {"variant": label, "clients": CLIENTS, "step_s": STEP_S, "tok_s": stats["tokens"] / MEASURE_S,
-            "events_s": stats["events"] / MEASURE_S, "tokens_per_event": stats["tokens"] / max(stats["events"], 1),
-            "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None, "engine_ceiling_tok_s": CLIENTS / STEP_S}
+    import app
+
+    return {"variant": label, "app": str(pathlib.Path(app.__file__).parent), "clients": CLIENTS, "step_s": STEP_S, "engine_ceiling_tok_s": CLIENTS / STEP_S,
+            **summarize(records, t0, t0 + MEASURE_S)}
 
 
 # -- the two variants, and the figure ------------------------------------------------------
@@ -107,7 +85,8 @@ def main() -> None:
     base = pathlib.Path(tempfile.mkdtemp()) / "base"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), BASE], check=True)
     try:
-        rows = [_child(base, f"before ({BASE})"), _child(REPO, "after")]
+        rows = [{**_child(tree, label), "round": k} for k in range(1, ROUNDS + 1)
+                for tree, label in ((base, f"before ({BASE})"), (REPO, "after"))]
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=True)
     OUT.write_text(json.dumps({"machine": f"{os.cpu_count()} CPU cores", "max_tokens": MAX_TOKENS,
@@ -121,13 +100,13 @@ def plot() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sys.path.insert(0, str(REPO))
     from benchmarks.method import save_figure
 
     data = json.loads(OUT.read_text())
     rows = data["rows"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    bars = ax.bar([r["variant"] for r in rows], [r["tok_s"] for r in rows], color=["#999", "#2a7"])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    bars = ax.bar([f"{r['variant']}\nround {r['round']}" for r in rows], [r["tok_s"] for r in rows],
+                  color=["#999" if r["variant"].startswith("before") else "#2a7" for r in rows])
     for bar, r in zip(bars, rows):
         ax.annotate(f"{r['tok_s']:.0f} tok/s\n{r['tokens_per_event']:.1f} tok/event", (bar.get_x() + bar.get_width() / 2,
                     bar.get_height()), ha="center", va="bottom", fontsize=8)

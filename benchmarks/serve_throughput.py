@@ -131,11 +131,11 @@ async def engine_rows(model: pathlib.Path, adapters: pathlib.Path, settings) -> 
             request = GenerateRequest(f"e{next(ids)}", tuple(rng.randrange(32000) for _ in range(PROMPT)),
                                       SamplingParams(max_tokens=NEW, temperature=0.0),
                                       f"a{client % ADAPTERS}" if workload == "adapters" else None)
-            start, first, n = time.monotonic(), None, 0
+            start, first, n, items = time.monotonic(), None, 0, 0
             async for chunk in engine.generate(request):
-                n += len(chunk.token_ids)
+                n, items = n + len(chunk.token_ids), items + 1
                 first = first or time.monotonic()
-            records.append((start, first, time.monotonic(), n))
+            records.append((start, first, time.monotonic(), n, items))
 
     async def point(workload, clients, until, records):
         await asyncio.gather(*(caller(workload, c, until, records, random.Random(c)) for c in range(clients)))

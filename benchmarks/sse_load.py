@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 
-Record = tuple[float, float, float, int]  # start, first token, last token, tokens
+Record = tuple[float, float, float, int, int]  # start, first token, last token, tokens, events with text
 
 
 def completion_body(prompt: list[int], max_tokens: int, model: str) -> bytes:
@@ -29,7 +29,7 @@ async def http_client(port: int, bodies, until: float, records: list[Record]) ->
             body = next(bodies)
             writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            start, first, last, tokens = time.monotonic(), None, None, 0
+            start, first, last, tokens, events = time.monotonic(), None, None, 0, 0
             status = await reader.readline()
             if b" 200 " not in status:
                 raise RuntimeError(f"HTTP {status!r}")
@@ -46,10 +46,11 @@ async def http_client(port: int, bodies, until: float, records: list[Record]) ->
                     elif event["choices"] and event["choices"][0]["text"]:
                         last = time.monotonic()
                         first = first or last
+                        events += 1
             while (await reader.readline()) not in (b"0\r\n", b""):  # the chunked body's end
                 pass
             await reader.readline()
-            records.append((start, first or start, last or start, tokens))
+            records.append((start, first or start, last or start, tokens, events))
     finally:
         writer.close()
 
@@ -64,14 +65,15 @@ def _pct(values: list[float], q: float) -> float | None:
 def summarize(records: list[Record], t0: float, t1: float) -> dict:
     """tok_s in [t0, t1]; TTFT and TPOT (s) of the requests that started inside it."""
     tokens = 0.0
-    for _, first, last, n in records:
+    for _, first, last, n, _ in records:
         if last <= first:
             tokens += n if t0 <= first <= t1 else 0
         else:
             tokens += n * max(0.0, min(last, t1) - max(first, t0)) / (last - first)
     inside = [r for r in records if t0 <= r[0] <= t1]
-    ttft = [first - start for start, first, _, _ in inside]
-    tpot = [(last - first) / (n - 1) for _, first, last, n in inside if n > 1]
+    ttft = [first - start for start, first, _, _, _ in inside]
+    tpot = [(last - first) / (n - 1) for _, first, last, n, _ in inside if n > 1]
     return {"tok_s": tokens / (t1 - t0), "requests": len(inside),
+            "tokens_per_event": sum(r[3] for r in inside) / max(1, sum(r[4] for r in inside)),
             "ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99),
             "tpot_p50": _pct(tpot, 0.5), "tpot_p99": _pct(tpot, 0.99)}
