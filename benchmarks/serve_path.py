@@ -51,7 +51,7 @@ def run_variant(label: str) -> dict:
     args = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"][0]["args"]
     args.update(model_name="base", max_batch_size=CLIENTS, num_kv_blocks=2048, block_size=16, adapter_dirs=[],
                 replica={"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}})
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = 18000 + os.getpid() % 1000
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(app_from_args(args, functools.partial(simulated_engine, StepTime(STEP_S))), name="path", route_prefix="/")

@@ -176,7 +176,7 @@ def main(tiny: bool) -> None:
     rows = asyncio.run(engine_rows(model, root / "adapters", parse_args(args, "base")))
     gc.collect()
     torch.cuda.empty_cache()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     port = 8000
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(app_from_args(args), name="loraplex", route_prefix="/")
