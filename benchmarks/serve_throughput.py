@@ -220,6 +220,8 @@ if __name__ == "__main__":
     p.add_argument("--out", type=pathlib.Path)
     a = p.parse_args()
     OUT = a.out or (OUT.with_name("serve_throughput_tiny_cpu.json") if a.tiny else OUT)
+    if a.tiny:
+        WARMUP_S, MEASURE_S = 1.0, 3.0
     if not a.plot_only:
         main(a.tiny)
     plot()
