@@ -6,6 +6,7 @@ tree), in one invocation.
 
     python benchmarks/serve_path.py              # ~4 × 60 s
     python benchmarks/serve_path.py --plot-only
+    python benchmarks/serve_path.py --profile    # one round each under py-spy → serve_path_profile.json
 
 Each variant runs in its own process with PYTHONPATH at its tree (Ray workers inherit it).
 Clients are closed-loop (benchmarks/sse_load.py): each keeps one streaming /v1/completions
@@ -31,6 +32,7 @@ sys.path.append(str(REPO))  # after PYTHONPATH: a variant's `app` comes from its
 from benchmarks.sse_load import completion_body, http_client, summarize  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "serve_path.json"
+OUT_PROFILE = OUT.with_name("serve_path_profile.json")
 BASE = "29a69bf"  # the commit before coalesced streams
 CLIENTS, MAX_TOKENS, STEP_S = 64, 128, 0.002
 WARMUP_S, MEASURE_S, ROUNDS = 5.0, 15.0, 2
@@ -38,7 +40,38 @@ WARMUP_S, MEASURE_S, ROUNDS = 5.0, 15.0, 2
 
 # -- one variant (a child process, PYTHONPATH at its tree) -------------------------------
 
-def run_variant(label: str) -> dict:
+PROCESSES = {"replica": "ServeReplica:path:LoraReplica", "ingress": "ServeReplica:path:Ingress", "proxy": "ProxyActor"}
+
+
+def _profile(dest: pathlib.Path, seconds: float) -> list[subprocess.Popen]:
+    """py-spy (pip install py-spy) on the replica, the Ingress and the proxy for ``seconds``."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    dest.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for name, marker in PROCESSES.items():
+        pid = next((line.split()[0] for line in ps if marker in line), None)
+        if pid:
+            procs.append(subprocess.Popen(["py-spy", "record", "-d", str(int(seconds)), "-r", "50", "-f", "raw", "-o",
+                                           str(dest / f"{name}.txt"), "-p", pid], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+    return procs
+
+
+def top_frames(raw: pathlib.Path, n: int = 12) -> dict:
+    """Samples, and the functions most samples were in (self time, as shares of the samples)."""
+    own, total = {}, 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        leaf = stack.split(";")[-1]
+        name, _, where = leaf.partition(" (")
+        key = f"{name} ({pathlib.Path(where.split(':')[0]).name})"
+        own[key] = own.get(key, 0) + int(count)
+        total += int(count)
+    return {"samples": total, "self": [(f, round(c / total, 3)) for f, c in sorted(own.items(), key=lambda x: -x[1])[:n]]}
+
+
+
+def run_variant(label: str, profile: pathlib.Path | None) -> dict:
     import functools
 
     import ray
@@ -60,38 +93,49 @@ def run_variant(label: str) -> dict:
     body = itertools.repeat(completion_body([11, 22, 33, 44], MAX_TOKENS, "base"))
 
     async def load():
-        await asyncio.gather(*(http_client(port, body, t0 + MEASURE_S, records) for _ in range(CLIENTS)))
+        clients = asyncio.gather(*(http_client(port, body, t0 + MEASURE_S, records) for _ in range(CLIENTS)))
+        if profile:
+            await asyncio.sleep(WARMUP_S)
+            spies = _profile(profile, MEASURE_S - 2)
+        await clients
+        return spies if profile else []
 
-    asyncio.run(load())
+    for spy in asyncio.run(load()):
+        spy.wait()
     serve.shutdown()
     ray.shutdown()
     import app
 
     return {"variant": label, "app": str(pathlib.Path(app.__file__).parent), "clients": CLIENTS, "step_s": STEP_S, "engine_ceiling_tok_s": CLIENTS / STEP_S,
-            **summarize(records, t0, t0 + MEASURE_S)}
+            **summarize(records, t0, t0 + MEASURE_S),
+            "profile": {f.stem: top_frames(f) for f in sorted(profile.glob("*.txt"))} if profile else None}
 
 
 # -- the two variants, and the figure ------------------------------------------------------
 
-def _child(tree: pathlib.Path, label: str) -> dict:
+def _child(tree: pathlib.Path, label: str, profile: bool) -> dict:
     out = pathlib.Path(tempfile.mkstemp(suffix=".json")[1])
     env = {**os.environ, "PYTHONPATH": str(tree), "RAY_USAGE_STATS_ENABLED": "0"}
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "serve_path.py"), "--variant", label, "--out", str(out)],
-                   env=env, check=True, cwd=tree)
+    spy = ["--profile", tempfile.mkdtemp()] if profile else []
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "serve_path.py"), "--variant", label, "--out", str(out),
+                    *spy], env=env, check=True, cwd=tree)
     return json.loads(out.read_text())
 
 
-def main() -> None:
+def main(profile: bool) -> None:
+    """profile: one round, each variant under py-spy (replica, Ingress, proxy), to OUT_PROFILE."""
     base = pathlib.Path(tempfile.mkdtemp()) / "base"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), BASE], check=True)
     try:
-        rows = [{**_child(tree, label), "round": k} for k in range(1, ROUNDS + 1)
+        rows = [{**_child(tree, label, profile), "round": k} for k in range(1, 1 + (1 if profile else ROUNDS))
                 for tree, label in ((base, f"before ({BASE})"), (REPO, "after"))]
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=True)
-    OUT.write_text(json.dumps({"machine": f"{os.cpu_count()} CPU cores", "max_tokens": MAX_TOKENS,
-                               "measure_s": MEASURE_S, "rows": rows}, indent=1))
-    plot()
+    (OUT_PROFILE if profile else OUT).write_text(json.dumps({
+        "machine": f"{os.cpu_count()} CPU cores", "max_tokens": MAX_TOKENS, "measure_s": MEASURE_S, "rows": rows},
+        indent=1))
+    if not profile:
+        plot()
 
 
 def plot() -> None:
@@ -120,10 +164,11 @@ if __name__ == "__main__":
     p.add_argument("--variant")
     p.add_argument("--out")
     p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--profile", nargs="?", const="", help="py-spy the path (needs `pip install py-spy`)")
     a = p.parse_args()
     if a.variant:
-        pathlib.Path(a.out).write_text(json.dumps(run_variant(a.variant)))
+        pathlib.Path(a.out).write_text(json.dumps(run_variant(a.variant, pathlib.Path(a.profile) if a.profile else None)))
     elif a.plot_only:
         plot()
     else:
-        main()
+        main(a.profile is not None)
