@@ -30,7 +30,7 @@ from benchmarks.sse_load import completion_body, http_client, summarize  # noqa:
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "serve_throughput_h200.json"
 CLIENTS, ADAPTERS, RANK, PROMPT, NEW = (1, 8, 32, 64), 32, 16, 128, 128
-WARMUP_S, MEASURE_S = 3.0, 9.0
+WARMUP_S, MEASURE_S = 2.0, 8.0
 SHAPE = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
              num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -208,9 +208,10 @@ def plot() -> None:
         ax.set_title(f"{workload} ({ADAPTERS} distinct adapters)" if workload == "adapters" else workload)
         ax.set_xlabel("streaming clients")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(CLIENTS, [str(c) for c in CLIENTS])
         ax.legend()
     axes[0].set_ylabel("tokens/s")
-    save_figure(fig, f"Served path vs engine alone, Llama-2-7B shape fp16 ({data['device']})", OUT.with_suffix(".png"))
+    save_figure(fig, f"Served path vs engine alone, streaming /v1/completions ({data['device']})", OUT.with_suffix(".png"))
 
 
 if __name__ == "__main__":
