@@ -38,7 +38,7 @@ def app_from_args(args: dict | None, engine_factory: Callable = build_async_engi
 
 def _single_replica(options: dict) -> bool:
     """A preempted request can only re-queue where it is; with several (or autoscaled)
-    replicas it moves to another one (cluster/migration.py)."""
+    replicas it moves to another one (app/client_stream.py)."""
     return options.get("num_replicas") == 1 and "autoscaling_config" not in options
 
 

@@ -23,6 +23,8 @@ from transformers import AutoConfig
 from app import http_errors
 from app.admin import AdapterAdmin, RegisterAdapter
 from app.auth import Auth, Caller
+from app.client_stream import (MigrationPolicy, ResubmittingStream, collect, replica_submit, sse_events,
+                               with_fixed_seed)
 from app.config import Settings
 from app.engine.factory import load_tokenizer
 from app.errors import AdapterNotFoundError, InvalidRequestError
@@ -31,8 +33,6 @@ from app.openai_requests import ChatCompletionRequest, CompletionRequest
 from app.openai_responses import Formatter
 from app.protocol import GenerateRequest
 from app.registry import AdapterSpec
-from app.relay import collect, sse_events
-from cluster.migration import MigrationPolicy, ResubmittingStream, with_fixed_seed
 
 api = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
 http_errors.install(api)
@@ -109,7 +109,7 @@ class Ingress:
         params = body.sampling(len(ids), self.context_limit, default_max, logprobs)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request = with_fixed_seed(GenerateRequest(request_id, tuple(ids), params, adapter.name if adapter else None))
-        submit = lambda r: self.generate_on_replica.remote(r, adapter, epoch)  # noqa: E731
+        submit = replica_submit(self.generate_on_replica, adapter, epoch)
         # validation errors raise here, before any bytes go out; later the stream moves between replicas
         stream = await ResubmittingStream.open(submit, request, self.migration)
         fmt = Formatter(request_id, body.model, self.tokenizer, chat, logprobs is not None)

@@ -63,9 +63,10 @@ class GenerateRequest:
         return dataclasses.replace(self, params=params, resume_token_ids=migrate.output_token_ids)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TokenChunk:
-    """New tokens of one request; ``finish_reason`` set on its last chunk."""
+    """New tokens of one request; ``finish_reason`` set on its last chunk. One chunk may
+    carry several tokens (a stream coalesces what accumulated since its last item)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -74,6 +75,14 @@ class TokenChunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+
+    def then(self, later: "TokenChunk") -> "TokenChunk":
+        """This chunk followed by ``later`` as one: tokens, text and logprobs concatenated;
+        finish reason and usage from ``later``."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or ()) + (later.logprobs or ())
+        return TokenChunk(self.request_id, self.token_ids + later.token_ids, self.text + later.text, logprobs,
+                          later.finish_reason, later.prompt_tokens, later.completion_tokens)
 
 
 @dataclass(frozen=True)
@@ -103,3 +112,19 @@ class ErrorChunk:
 
 
 Chunk = TokenChunk | Migrate | ErrorChunk
+
+
+def is_final(item) -> bool:
+    """Whether ``item`` ends a replica's stream for its request: the one definition."""
+    return isinstance(item, (Migrate, ErrorChunk)) or (isinstance(item, TokenChunk) and item.finish_reason is not None)
+
+
+def coalesce(chunks: list[Chunk]) -> list[Chunk]:
+    """``chunks`` with each run of consecutive TokenChunks merged into one (in order)."""
+    out: list[Chunk] = []
+    for chunk in chunks:
+        if out and isinstance(chunk, TokenChunk) and isinstance(out[-1], TokenChunk) and not is_final(out[-1]):
+            out[-1] = out[-1].then(chunk)
+        else:
+            out.append(chunk)
+    return out

@@ -12,7 +12,7 @@ Two phases, every stream checked token for token against its uninterrupted outpu
 Replicas run the simulated engine core (app/engine/simulated.py: the real scheduler,
 KV accounting and preemption; a step sleeps a fixed time; tokens are a fixed function of
 prompt and position, so a resumed stream is checked exactly). The client is this
-process: a DeploymentHandle + cluster.migration's ResubmittingStream, as in the ingress.
+process: a DeploymentHandle + app.client_stream's ResubmittingStream, as in the ingress.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def replica_reports(app: str) -> list[dict]:
 async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float, disconnect: float, seed: int):
     from app.engine.simulated import simulated_token
     from app.protocol import GenerateRequest, SamplingParams
-    from cluster.migration import MigrationPolicy, ResubmittingStream
+    from app.client_stream import MigrationPolicy, ResubmittingStream
 
     live: dict[str, str] = {}  # request id → its replica now
     kills: list[str] = []

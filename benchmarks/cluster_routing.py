@@ -11,7 +11,7 @@ the H200 roofline of Llama-2-7B from measured figures, stretched ×20 to fit two
 and emit a token sequence that is a fixed function of prompt and position, so every
 stream is checked token for token: lost = a request not complete, duplicated = tokens
 beyond or different from the expected ones. The client is this process (DeploymentHandle
-+ cluster.migration's ResubmittingStream, as in the ingress).
++ app.client_stream's ResubmittingStream, as in the ingress).
 
 Per router: per-replica batch over time (PNG, Punica Fig. 13 bottom panel), the share of
 replica-time at batch 0 or at max batch, replicas that sat idle (never above batch 0),
@@ -47,7 +47,7 @@ async def run_router(router: str, arrivals: list[float], seed: int) -> dict:
     from app.engine.simulated import StepTime, simulated_engine, simulated_token
     from app.protocol import GenerateRequest, SamplingParams
     from app.replica import LoraReplica, ReplicaSettings
-    from cluster.migration import MigrationPolicy, ResubmittingStream
+    from app.client_stream import MigrationPolicy, ResubmittingStream
 
     app = f"routing-{router}"
     args = {"max_batch_size": MAX_BATCH, "num_kv_blocks": 128, "block_size": 16,

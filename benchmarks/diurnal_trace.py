@@ -10,7 +10,7 @@ each request 64 prompt tokens and 32 new ones, streamed. Up to 8 LoraReplica rep
 (0.1 CPU each) run the simulated engine core (app/engine/simulated.py): the real scheduler
 and KV accounting, and a step that sleeps the step-time model below instead of computing.
 The client is this process: a DeploymentHandle (whose router is the deployment's) and
-cluster.migration's ResubmittingStream, as in the ingress; HTTP is left out so two cores
+app.client_stream's ResubmittingStream, as in the ingress; HTTP is left out so two cores
 can carry the token rate.
 
 Step-time model, from the measured GPU engine (benchmarks/results/e2e_throughput_h200.json,
@@ -132,7 +132,7 @@ async def run_policy(policy: str, arrivals, replica, max_batch: int = MAX_BATCH,
     from ray import serve
 
     from app.protocol import GenerateRequest, SamplingParams
-    from cluster.migration import MigrationPolicy, ResubmittingStream
+    from app.client_stream import MigrationPolicy, ResubmittingStream
 
     app = f"diurnal-{policy}"
     serve.run(replica, name=app, route_prefix=None)

@@ -23,7 +23,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -31,6 +31,15 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from cluster.stats import ARRIVALS_WINDOW_S, ReplicaStats, arrival_key
 
 log = logging.getLogger("ray.serve")
+
+
+_leaving_listeners: list[Callable[[set[str]], None]] = []
+
+
+def on_replicas_leaving(listener: Callable[[set[str]], None]) -> None:
+    """Call ``listener(replica ids)`` whenever a router in this process sees replicas leave
+    the running set: the caller's side (app/client_stream.py) moves their streams."""
+    _leaving_listeners.append(listener)
 
 
 @dataclass(frozen=True)
@@ -161,9 +170,8 @@ class ConsolidatingRouter(RequestRouter):
         for rid in gone:
             self._sent.pop(rid, None)
         if gone:  # stopped by a scale-down (or dead): streams still on them move now
-            from cluster.migration import replicas_stopping
-
-            replicas_stopping(gone)
+            for listener in _leaving_listeners:
+                listener(gone)
 
     def _entry(self, need: Need) -> tuple[float, str, int]:
         return time.time(), need.key, math.ceil(need.tokens / self.policy.block_size)

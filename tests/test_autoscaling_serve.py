@@ -6,7 +6,7 @@ endpoint.
 Replicas run the simulated engine core (app/engine/simulated.py: the real scheduler, a
 fixed 50 ms step instead of a model), so a stream's length is known and three replicas
 fit two cores. Requests go through a DeploymentHandle (the deployment's consolidating
-router) and cluster.migration's ResubmittingStream, as in the ingress. Each request logs
+router) and app.client_stream's ResubmittingStream, as in the ingress. Each request logs
 the replicas that accepted it (the routing log); tests/replica_watch.py samples every
 replica actor's stats.
 """
@@ -27,7 +27,7 @@ from app.engine.config import EngineConfig
 from app.engine.simulated import StepTime, simulated_engine, simulated_token
 from app.protocol import ErrorChunk, GenerateRequest, SamplingParams
 from app.replica import LoraReplica, ReplicaSettings
-from cluster.migration import MigrationPolicy, ResubmittingStream
+from app.client_stream import MigrationPolicy, ResubmittingStream
 from tests.app_fixtures import config_args, free_port, wait_for
 from tests.replica_watch import ReplicaWatch
 

@@ -5,7 +5,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, SamplingParams, TokenChunk
-from cluster.migration import MigrationPolicy, ResubmittingStream, with_fixed_seed
+from app.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
 from cluster.router import Need, Policy, ReplicaView, rank
 from cluster.stats import ReplicaStats
 

@@ -1,8 +1,12 @@
 """The engine on its own thread, streaming chunks to asyncio callers.
 
 Only the engine thread touches EngineCore: callers post adds and aborts to an
-inbox; chunks go back through each request's asyncio queue. Each step and each
-delivered token is recorded in ``telemetry`` (app/engine/telemetry.py).
+inbox. A step's chunks go to each event loop in one hand-over (one thread-safe
+wake-up per step, not per chunk); each request's stream then yields everything that
+accumulated since its previous item as one item (consecutive TokenChunks merged), so
+a stream whose reader keeps up gets one token per item and a slow reader gets many,
+with no timer holding any token back. Each step and each delivered token is recorded
+in ``telemetry`` (app/engine/telemetry.py).
 """
 from __future__ import annotations
 
@@ -11,12 +15,13 @@ import logging
 import queue
 import threading
 import time
+from collections import defaultdict
 from concurrent.futures import Future
 from typing import AsyncIterator
 
 from app.engine.core import EngineCore
 from app.engine.telemetry import EngineTelemetry
-from app.protocol import Chunk, ErrorChunk, GenerateRequest, Migrate, TokenChunk
+from app.protocol import Chunk, ErrorChunk, GenerateRequest, Migrate, coalesce, is_final
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +30,24 @@ class _Stream:
     def __init__(self, request: GenerateRequest, loop: asyncio.AbstractEventLoop):
         self.request = request
         self.loop = loop
-        self.queue: asyncio.Queue[Chunk] = asyncio.Queue()
+        self.pending: list[Chunk] = []  # delivered, not yet yielded (touched on the loop only)
+        self.ready = asyncio.Event()
         self.arrival = time.monotonic()
         self.last_token: float | None = None  # when its previous token was delivered
 
-    def put(self, chunk: Chunk) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, chunk)
+    async def items(self) -> list[Chunk]:
+        """Everything delivered since the last call (at least one chunk), coalesced."""
+        await self.ready.wait()
+        self.ready.clear()
+        chunks, self.pending = self.pending, []
+        return coalesce(chunks)
+
+
+def _hand_over(deliveries: list[tuple[_Stream, Chunk]]) -> None:
+    """On the event loop: one step's chunks for the streams of this loop."""
+    for stream, chunk in deliveries:
+        stream.pending.append(chunk)
+        stream.ready.set()
 
 
 class AsyncEngine:
@@ -41,6 +58,7 @@ class AsyncEngine:
         self.migrate_locally = migrate_locally
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Chunk]]] = defaultdict(list)
         self._wake = threading.Event()
         self._stopped = False
         self.snapshot = core.stats()
@@ -65,11 +83,11 @@ class AsyncEngine:
             self._post(("add", stream, accepted, adapter))
             await asyncio.wrap_future(accepted)
             while True:
-                chunk = await stream.queue.get()
-                yield chunk
-                if isinstance(chunk, (Migrate, ErrorChunk)) or chunk.finish_reason is not None:
-                    finished = True
-                    return
+                for item in await stream.items():
+                    yield item
+                    if is_final(item):
+                        finished = True
+                        return
         finally:
             if not finished:
                 self.abort(request.request_id)
@@ -103,6 +121,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopped:
             self._drain_inbox()
+            self._send()
             if not self.core.has_work():
                 self._wake.wait()
                 self._wake.clear()
@@ -118,6 +137,7 @@ class AsyncEngine:
             self.snapshot = self.core.stats()
             for chunk in chunks:
                 self._deliver(chunk)
+            self._send()
             if self.core.idle:
                 time.sleep(0.0005)  # waiting on adapter copies: poll, don't spin
 
@@ -161,11 +181,20 @@ class AsyncEngine:
             stream.request = stream.request.resumed(chunk)
             self.core.add(stream.request, front=True)
             return
-        if isinstance(chunk, (Migrate, ErrorChunk)) or chunk.finish_reason is not None:
+        if is_final(chunk):
             del self._streams[chunk.request_id]
         if isinstance(chunk, Migrate):  # it leaves this engine unfinished
             self.telemetry.migrated(chunk.reason)
-        stream.put(chunk)
+        self._outbox[stream.loop].append((stream, chunk))
+
+    def _send(self) -> None:
+        """Hand what this step delivered to each event loop: one wake-up per loop."""
+        for loop, deliveries in self._outbox.items():
+            try:
+                loop.call_soon_threadsafe(_hand_over, deliveries)
+            except RuntimeError:  # that loop is closed: nobody reads its streams any more
+                log.warning("dropped %d chunks for a closed event loop", len(deliveries))
+        self._outbox.clear()
 
     def _record(self, stream: _Stream, chunk: Chunk) -> None:
         t = self.telemetry

@@ -1,5 +1,6 @@
-"""Cross-replica migration and failover, driven by the ingress: one client stream over
-as many replica streams as it takes.
+"""The client's side of a generation, in the ingress: one stream over as many replica
+streams as it takes (migration, failover, drain), relayed to the HTTP client as SSE
+events or collected into one response.
 
 A replica stream can end unfinished three ways, and all take one path: re-submit the
 request through the router with the tokens already relayed to the client as
@@ -13,8 +14,13 @@ what follows), and keep relaying.
 - The router saw the replica leave the running set (a scale-down stops it): the call is
   cancelled (which aborts it there) and re-submitted before the replica dies.
 The ingress fixes the seed before the first token and sampling is seeded per absolute
-position, so the output equals the uninterrupted one token for token. Each request
-moves at most ``max_migrations`` times, then ends with an explicit error.
+position, so the output equals the uninterrupted one token for token; an item may carry
+several tokens, and the resubmission counts exactly the tokens of the items relayed. Each
+request moves at most ``max_migrations`` times, then ends with an explicit error.
+
+The router tells this module which replicas left through ``cluster.router.on_replicas_leaving``.
+Leaving the relay early (client gone, error) cancels the replica call, which aborts the
+request in the engine and frees its KV blocks.
 """
 from __future__ import annotations
 
@@ -22,15 +28,20 @@ import asyncio
 import dataclasses
 import logging
 import random
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from fastapi.responses import JSONResponse
 from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.metrics import Counter
 
 from app.errors import LoraplexError, OverloadedError
-from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, TokenChunk
+from app.http_errors import error_body, error_response
+from app.openai_responses import Formatter, Output, sse
+from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, TokenChunk, is_final
+from cluster.router import on_replicas_leaving
 
 log = logging.getLogger("ray.serve")
 
@@ -50,15 +61,23 @@ def with_fixed_seed(request: GenerateRequest) -> GenerateRequest:
     return dataclasses.replace(request, params=dataclasses.replace(request.params, seed=random.getrandbits(63)))
 
 
+def replica_submit(generate, adapter, epoch: int) -> Callable:
+    """submit(GenerateRequest) → a call of ``generate`` (LoraReplica.generate on a streaming handle)."""
+    return lambda request: generate.remote(request, adapter, epoch)
+
+
 _live: dict[str, set["ResubmittingStream"]] = {}  # replica id → streams it serves (this process)
 _migrations = Counter("loraplex_migrations", "requests moved to another replica, by reason", tag_keys=("reason",))
 
 
-def replicas_stopping(replica_ids: set[str]) -> None:
-    """Called by the router when replicas leave the running set: their streams move."""
+def _replicas_leaving(replica_ids: set[str]) -> None:
+    """The router (on its own event loop) saw replicas leave the running set: their streams move."""
     for rid in replica_ids:
         for stream in list(_live.get(rid, ())):
-            stream.stopping.set()
+            stream.loop.call_soon_threadsafe(stream.stop)
+
+
+on_replicas_leaving(_replicas_leaving)
 
 
 class ResubmittingStream:
@@ -74,7 +93,9 @@ class ResubmittingStream:
         self.moves: list[tuple[str, int]] = []  # (reason, tokens relayed) per move
         self.failed: tuple[str, ...] = ()
         self.replica: str | None = None
-        self.stopping = asyncio.Event()
+        self.stopping = False  # its replica is leaving: the read in progress ends as a move
+        self.loop = asyncio.get_running_loop()
+        self._step: asyncio.Future | None = None  # the read in progress
         self._generator = None
         self._first = None
 
@@ -98,9 +119,7 @@ class ResubmittingStream:
                 if isinstance(item, TokenChunk):
                     self.token_ids += item.token_ids
                     self.text_chars += len(item.text)
-                    finished = item.finish_reason is not None
-                else:  # an ErrorChunk ends the request (the relay reports it)
-                    finished = isinstance(item, ErrorChunk)
+                finished = is_final(item)  # a TokenChunk's last, or an ErrorChunk (the relay reports it)
                 yield item
                 if finished:
                     return
@@ -144,7 +163,7 @@ class ResubmittingStream:
         if not isinstance(accepted, Accepted):
             raise TypeError(f"a replica stream must open with Accepted, not {type(accepted).__name__}")
         self.replica = accepted.replica_id
-        self.stopping.clear()
+        self.stopping = False
         _live.setdefault(self.replica, set()).add(self)
         first = await self._read()
         if isinstance(first, LoraplexError):  # rejected: bad input, not a replica failure
@@ -152,25 +171,29 @@ class ResubmittingStream:
             raise first
         return first
 
+    def stop(self) -> None:
+        self.stopping = True
+        if self._step is not None:
+            self._step.cancel()
+
     async def _read(self):
-        """The replica stream's next item; its failure or stop as a Migrate to act on."""
-        if self.stopping.is_set():
+        """The replica stream's next item; its failure or stop as a Migrate to act on. One
+        task per item (stop() cancels it), not a race of two: this runs for every item."""
+        if self.stopping:
             return self._stopped()
-        step = asyncio.ensure_future(self._generator.__anext__())
-        stop = asyncio.ensure_future(self.stopping.wait())
+        self._step = asyncio.ensure_future(self._generator.__anext__())
         try:
-            done, _ = await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if step not in done:
-            step.cancel()
-            return self._stopped()
-        try:
-            return step.result()
+            return await self._step
+        except asyncio.CancelledError:
+            if self.stopping and not asyncio.current_task().cancelling():  # stop(), not the caller leaving
+                return self._stopped()
+            raise
         except StopAsyncIteration:
             return self._failed(RuntimeError("the replica stream ended without a final chunk"))
         except REPLICA_FAILURES as exc:
             return self._failed(exc)
+        finally:
+            self._step = None
 
     def _failed(self, exc: BaseException) -> Migrate:
         log.warning("replica %s failed under %s (%s): failing over", self.replica, self.request.request_id,
@@ -188,3 +211,49 @@ class ResubmittingStream:
         if self._generator is not None and cancel:
             self._generator.cancel()
         self._generator = None
+
+
+# -- relay to the HTTP client ------------------------------------------------------------
+
+def _failure(chunk) -> tuple[str, int] | None:
+    if isinstance(chunk, ErrorChunk):
+        return chunk.message, chunk.status
+    if isinstance(chunk, TokenChunk) and chunk.finish_reason == "abort":
+        return "the request was aborted by the server", 503
+    if not isinstance(chunk, TokenChunk):
+        return f"unexpected chunk {type(chunk).__name__}", 500
+    return None
+
+
+async def sse_events(fmt: Formatter, stream: ResubmittingStream, include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE events ending with `data: [DONE]` (one event per item, however many tokens it
+    carries); a failure mid-stream becomes an error event first."""
+    try:
+        opening = fmt.first_chunk()
+        if opening:
+            yield sse(opening, fmt.encode)
+        async with aclosing(stream.chunks()) as chunks:
+            async for chunk in chunks:
+                failed = _failure(chunk)
+                if failed:
+                    yield sse(error_body(failed[0], failed[1], "engine_error"))
+                    break
+                if chunk.finish_reason and include_usage:
+                    yield sse(fmt.chunk(chunk), fmt.encode) + sse(fmt.usage_chunk(chunk))
+                else:
+                    yield sse(fmt.chunk(chunk), fmt.encode)
+    except Exception as exc:  # the replica died or the call failed: tell the client in-band
+        log.exception("stream failed")
+        yield sse(error_body(f"generation failed: {type(exc).__name__}", 500, "engine_error"))
+    yield sse("[DONE]")
+
+
+async def collect(fmt: Formatter, stream: ResubmittingStream) -> JSONResponse:
+    out = Output()
+    async with aclosing(stream.chunks()) as chunks:
+        async for chunk in chunks:
+            failed = _failure(chunk)
+            if failed:
+                return error_response(failed[0], failed[1], "engine_error")
+            out.add(chunk)
+    return JSONResponse(fmt.response(out))
