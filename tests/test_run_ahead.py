@@ -70,7 +70,7 @@ def test_no_step_ahead_when_it_is_not_certain():
 
 def test_sampled_rows_go_ahead_like_greedy_ones():
     """Their tokens are drawn on the device too, and the next step's parameters are known."""
-    for params in (dict(temperature=0.7, top_p=0.9, seed=3), dict(min_tokens=8), dict(logprobs=2)):
+    for params in ({"temperature": 0.7, "top_p": 0.9, "seed": 3}, {"min_tokens": 8}, {"logprobs": 2}):
         sched, seqs, out = _setup([3, 5], **params)
         assert next_decode(out, sched, BS, max_batch=8) == (seqs, [0, 1]), params
 

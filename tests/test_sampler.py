@@ -163,8 +163,8 @@ def test_every_accepted_extreme_value_is_safe():
     vocabulary is off; a huge or infinite temperature is uniform; nothing is nan or out of range."""
     logits = _logits(5, 1, 64)
     best = int(logits.argmax())
-    tiny = [dict(temperature=5e-324), dict(temperature=1e-38, top_k=10**18), dict(top_p=5e-324, temperature=2.0),
-            dict(top_p=1e-46), dict(temperature=1e-300, top_p=1e-300, top_k=2**62, logprobs=20)]
+    tiny = [{"temperature": 5e-324}, {"temperature": 1e-38, "top_k": 10**18}, {"top_p": 5e-324, "temperature": 2.0},
+            {"top_p": 1e-46}, {"temperature": 1e-300, "top_p": 1e-300, "top_k": 2**62, "logprobs": 20}]
     for i, kw in enumerate(tiny):
         rows = [_seq(SamplingParams(**kw), seed=s) for s in range(50)]
         drawn, _ = _draw(logits.expand(50, 64).contiguous(), rows)

@@ -79,12 +79,12 @@ def test_min_tokens_holds_eos_and_stop_ids_back(tiny_model_dir, adapters):
         return tokens[rid], reasons[rid]
 
     assert run(greedy, "a") == (free[: first + 1], "stop")
-    held, reason = run(dataclasses.replace(greedy, min_tokens=first + 4), "b")
+    held, _ = run(dataclasses.replace(greedy, min_tokens=first + 4), "b")
     assert eos not in held[: first + 4] and len(held) >= first + 4
     assert run(dataclasses.replace(greedy, ignore_eos=True), "c") == (free, "length")
     stop = free[first + 2]  # a stop token id after EOS is suppressed too, and ends the request once allowed
     if stop != eos:
-        held, reason = run(dataclasses.replace(greedy, min_tokens=first + 4, stop_token_ids=(stop,)), "d")
+        held, _ = run(dataclasses.replace(greedy, min_tokens=first + 4, stop_token_ids=(stop,)), "d")
         assert not {eos, stop} & set(held[: first + 4])
     sampled = SamplingParams(max_tokens=16, temperature=0.3, seed=3, min_tokens=16)
     assert eos not in run(sampled, "e")[0]
