@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from app.engine.batch import build_step
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.protocol import GenerateRequest, SamplingParams
@@ -111,3 +112,51 @@ def test_logprobs_per_token(tiny_model_dir, adapters):
         assert lp["token_id"] == c.token_ids[0] and lp["top"] == [] and lp["logprob"] <= 0
     assert all(c.logprobs is None for c in by_id["n"])
     assert [c.token_ids for c in by_id["s"]] == [c.token_ids for c in by_id["n"]]  # logprobs change no draw
+
+
+class _EagerGraphs:
+    """DecodeGraphs' contract, run eagerly on the CPU: the logits of one decode step of `order`, whose
+    input tokens are given on the device (next_tokens) for a step launched ahead."""
+
+    max_batch = 32
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def run(self, order, next_tokens=None):
+        pending = next_tokens[0][next_tokens[1]].tolist() if next_tokens is not None else []
+        for seq, token in zip(order, pending):  # the token the host has not appended yet
+            seq.output_ids.append(token)
+        inputs, _ = build_step([(s, 1) for s in order], self.engine.model.lora_pool, self.engine.config.block_size, "cpu")
+        for seq in order[: len(pending)]:
+            seq.output_ids.pop()
+        return self.engine.model.forward(inputs, self.engine.kv)
+
+
+def test_sampled_steps_launched_ahead_draw_what_steps_run_in_turn_do(tiny_model_dir, adapters):
+    """The run-ahead path on the CPU: seeded top-p / top-k, min_tokens with stop ids, logprobs and
+    greedy rows; a step launched ahead draws with each row one token further (position, min_tokens)."""
+    rng = random.Random(5)
+    kinds = [SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=1, logprobs=2),
+             SamplingParams(max_tokens=14, temperature=0.8, top_k=20, seed=2),
+             SamplingParams(max_tokens=14, temperature=1.0, min_tokens=9, stop_token_ids=(5, 6, 7, 8), seed=3),
+             SamplingParams(max_tokens=14, temperature=0.0, logprobs=1)]
+    requests = {k: [GenerateRequest(f"s{k}_{i}", tuple(rng.randrange(320) for _ in range(rng.randint(2, 20))),
+                                    kinds[i % len(kinds)], [None, "x", "y"][i % 3]) for i in range(8)] for k in (0, 9)}
+    out = {}
+    for ahead in (True, False):
+        engine = _engine(tiny_model_dir, adapters, max_num_seqs=8)
+        engine.runner.graphs = _EagerGraphs(engine)
+        if not ahead:
+            engine.runner.run_ahead = lambda result, scheduler: None
+        chunks = {}
+        step = 0
+        while engine.has_work() or step <= 9:
+            for r in requests.get(step, []):
+                engine.add(r)
+            for c in engine.step():
+                chunks.setdefault(c.request_id, []).append((c.token_ids, c.logprobs, c.finish_reason))
+            step += 1
+        out[ahead] = chunks, engine.runner.steps_taken_ahead
+    assert out[True][0] == out[False][0]
+    assert out[True][1] >= 15, out[True][1]
