@@ -165,7 +165,7 @@ def test_every_accepted_extreme_value_is_safe():
     best = int(logits.argmax())
     tiny = [{"temperature": 5e-324}, {"temperature": 1e-38, "top_k": 10**18}, {"top_p": 5e-324, "temperature": 2.0},
             {"top_p": 1e-46}, {"temperature": 1e-300, "top_p": 1e-300, "top_k": 2**62, "logprobs": 20}]
-    for i, kw in enumerate(tiny):
+    for kw in tiny:
         rows = [_seq(SamplingParams(**kw), seed=s) for s in range(50)]
         drawn, _ = _draw(logits.expand(50, 64).contiguous(), rows)
         assert set(drawn.tokens.tolist()) == {best}, kw

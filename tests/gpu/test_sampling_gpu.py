@@ -11,7 +11,7 @@ from app.engine.sampler import draw
 from app.engine.sampling_params import Staging, step_sampling
 from app.protocol import GenerateRequest, SamplingParams
 from tests.gpu import test_cuda_graphs_gpu as graphs_test
-from tests.gpu.test_cuda_graphs_gpu import _decode_rows, _engine, _slots
+from tests.gpu.test_cuda_graphs_gpu import _decode_rows, _engine, _random_kv, _slots
 
 pytestmark = pytest.mark.gpu
 model_dir = graphs_test.model_dir  # the same tiny Llama and 8 adapters (a module-scoped fixture)
@@ -38,10 +38,7 @@ def _drawn(logits, rows, staging):
 def test_sampled_graph_replay_equals_eager_at_every_bucket(model_dir):
     engine = _engine(model_dir, torch.float16)
     graphs, staging = engine.runner.graphs, Staging("cuda")
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    for k, v in engine.kv:
-        k.copy_(torch.randn(k.shape, device="cuda", generator=gen))
-        v.copy_(torch.randn(v.shape, device="cuda", generator=gen))
+    _random_kv(engine, 7)
     slots = _slots(engine)
     rng = random.Random(8)
     checked = 0
