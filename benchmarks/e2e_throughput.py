@@ -2,6 +2,7 @@
 
 On the device:  python benchmarks/e2e_throughput.py --out benchmarks/results/e2e_throughput_h200.json
 Anywhere:       python benchmarks/e2e_throughput.py --plot-only
+Sampled decoding against greedy: --sampling (benchmarks/e2e_sampling.py)
 
 Llama-2-7B shape, random fp16 weights; rank-16 adapters on all seven projections (8 distinct
 random weight sets, shared by adapter names beyond 8: every name is its own pool slot and
@@ -171,8 +172,11 @@ def lengths(kind: str, n: int, rng: random.Random) -> list[tuple[int, int]]:
     return [(draw(g["prompt"]), draw(g["output"])) for _ in range(n)]
 
 
-def run_workload(engine, pool_adapters, workload, n, sizes, rng):
+def run_workload(engine, pool_adapters, workload, n, sizes, rng, params=None):
+    """params(i, new tokens) -> request i's SamplingParams (default: greedy, no stop)."""
     from app.protocol import GenerateRequest, SamplingParams
+
+    params = params or (lambda i, new: SamplingParams(max_tokens=new, temperature=0.0))
 
     log = StepLog(engine.runner)
     which = assignment(workload, n, rng)
@@ -181,7 +185,7 @@ def run_workload(engine, pool_adapters, workload, n, sizes, rng):
     start = time.perf_counter()
     for i, (a, (prompt, new)) in enumerate(zip(which, sizes)):
         req = GenerateRequest(f"{workload}{i}", tuple(rng.randrange(32000) for _ in range(prompt)),
-                              SamplingParams(max_tokens=new, temperature=0.0), None if a is None else f"a{a}")
+                              params(i, new), None if a is None else f"a{a}")
         engine.add(req, adapter=None if a is None else pool_adapters[a])
     generated = 0
     while engine.has_work():
@@ -223,7 +227,13 @@ def main():
     ap.add_argument("--batches", default="32,64")
     ap.add_argument("--sharegpt-batches", default="32", help="max batches that also run ShareGPT-like lengths")
     ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--sampling", action="store_true", help="sampled vs greedy decoding instead (benchmarks/e2e_sampling.py)")
     args = ap.parse_args()
+    if args.sampling:
+        from benchmarks import e2e_sampling
+
+        e2e_sampling.run(args, sys.modules[__name__])
+        return
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
         return

@@ -1,5 +1,5 @@
 """Which decode step is launched ahead (app/engine/run_ahead.py), and when the engine takes it:
-the rules on host state alone, with a stand-in for the device argmax."""
+the rules on host state alone, with a stand-in for the tokens drawn on the device."""
 from app.engine.config import EngineConfig
 from app.engine.kv_cache import BlockAllocator
 from app.engine.run_ahead import Ahead, next_decode
@@ -11,14 +11,14 @@ from app.protocol import GenerateRequest, SamplingParams
 BS = 4
 
 
-class _Greedy:
-    """DeviceGreedy's host side: argmax and finite flag per row."""
+class _Drawn:
+    """DrawnRows' host side: token, finite flag and logprobs per row."""
 
-    def __init__(self, tokens):
-        self.argmax, self.tokens = None, tokens
+    def __init__(self, values):
+        self.tokens, self.values = None, values
 
     def read(self):
-        return self.tokens, [1] * len(self.tokens)
+        return self.values, [1] * len(self.values), [None] * len(self.values)
 
 
 def _setup(lengths, max_tokens=10, waiting=0, max_batch=4, **params):
@@ -33,11 +33,11 @@ def _setup(lengths, max_tokens=10, waiting=0, max_batch=4, **params):
     sched.running = list(seqs)
     for i in range(waiting):
         sched.waiting.append(Sequence(GenerateRequest(f"w{i}", (1, 2), SamplingParams()), 0, 100 + i))
-    return sched, seqs, StepOutput(seqs, greedy=_Greedy([100 + i for i in range(len(seqs))]))
+    return sched, seqs, StepOutput(seqs, _Drawn([100 + i for i in range(len(seqs))]))
 
 
 def _after_step(seqs, out):
-    for seq, token in zip(seqs, out.greedy.tokens):
+    for seq, token in zip(seqs, out.drawn.values):
         seq.output_ids.append(token)
 
 
@@ -57,8 +57,6 @@ def test_requests_ending_by_length_are_left_out():
 
 
 def test_no_step_ahead_when_it_is_not_certain():
-    sched, seqs, out = _setup([3, 5], temperature=0.7)
-    assert next_decode(out, sched, BS, max_batch=8) is None  # sampled on the host
     sched, seqs, out = _setup([3, 5], waiting=1)
     assert next_decode(out, sched, BS, max_batch=8) is None  # a waiting request would join
     sched, seqs, out = _setup([3, 5])
@@ -70,6 +68,13 @@ def test_no_step_ahead_when_it_is_not_certain():
     assert [len(s.block_table) for s in seqs] == [1, 2]
 
 
+def test_sampled_rows_go_ahead_like_greedy_ones():
+    """Their tokens are drawn on the device too, and the next step's parameters are known."""
+    for params in ({"temperature": 0.7, "top_p": 0.9, "seed": 3}, {"min_tokens": 8}, {"logprobs": 2}):
+        sched, seqs, out = _setup([3, 5], **params)
+        assert next_decode(out, sched, BS, max_batch=8) == (seqs, [0, 1]), params
+
+
 def test_a_full_batch_with_waiting_requests_goes_ahead():
     sched, seqs, out = _setup([3, 5], waiting=2, max_batch=2)
     assert next_decode(out, sched, BS, max_batch=8) is not None
@@ -78,11 +83,11 @@ def test_a_full_batch_with_waiting_requests_goes_ahead():
 def test_the_engine_takes_the_step_for_a_subset_with_the_tokens_it_ran_on():
     sched, seqs, out = _setup([3, 5, 6])
     order, src = next_decode(out, sched, BS, max_batch=8)
-    ahead = Ahead(order, [s.num_computed for s in order], src, out, StepOutput(order, greedy=_Greedy([7, 8, 9])))
+    ahead = Ahead(order, [s.num_computed for s in order], src, out, StepOutput(order, _Drawn([7, 8, 9])))
     _after_step(seqs, out)
     taken = ahead.take([(seqs[2], 1), (seqs[0], 1)])  # seqs[1] ended meanwhile
     assert taken.sampled == [seqs[0], seqs[2]] and taken.rows == [0, 2]
-    assert taken.sample(())[0] == [7, 9]
+    assert taken.sample()[0] == [7, 9]
     assert ahead.take([(seqs[0], 2)]) is None  # not a decode step
     seqs[0].output_ids[-1] = 5  # sampled otherwise than the argmax the step ran on
     assert ahead.take([(seqs[0], 1)]) is None

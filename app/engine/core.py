@@ -93,7 +93,7 @@ class EngineCore:
                 seq.num_computed += n
                 self.tokens_computed += n
             self.runner.run_ahead(result, self.scheduler)  # the GPU works on while the host samples
-            tokens, logprobs = result.sample(self.model.cfg.eos_token_ids)
+            tokens, logprobs = result.sample()
             out += [self._fail(s, str(t)) if isinstance(t, SampleError) else self._postprocess(s, t, lp)
                     for s, t, lp in zip(result.sampled, tokens, logprobs)]
             self.steps += 1

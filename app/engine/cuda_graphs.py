@@ -11,7 +11,7 @@ only, are the same for every adapter mix; every module the pool can hold is in t
 depends on the batch shape only. All of a bucket's inputs are one int32 buffer, filled on
 the host and copied in one transfer per step; the host copy is refilled only once that
 transfer is done (a step launched ahead refills it while the GPU still runs the one before).
-A step launched ahead also gets its input tokens on the device, from the previous step's argmax.
+A step launched ahead also gets its input tokens on the device, from the previous step's drawn tokens.
 """
 from __future__ import annotations
 

@@ -2,25 +2,24 @@
 
 After step N is queued, and before its tokens reach the host, step N+1 is queued behind it when
 it can only be a plain decode step of the same requests: every running request was sampled by
-step N, greedily with nothing to suppress (sampler.fast_greedy), the free KV blocks cover the
-requests whose next token starts a block (they get them now, as the scheduler would first thing
-next step, so it allocates and preempts nothing), and no waiting request could join (none waits,
-or the batch stays full). Requests that step N ends by length are left out. Step N+1 is a
-CUDA-graph decode step whose input tokens are step N's argmax, read on the device; everything
-else it needs (positions, slots, block tables, adapter segments) is known.
+step N, the free KV blocks cover the requests whose next token starts a block (they get them now,
+as the scheduler would first thing next step, so it allocates and preempts nothing), and no waiting
+request could join (none waits, or the batch stays full). Requests that step N ends by length are
+left out. Step N+1 is a CUDA-graph decode step whose input tokens are step N's drawn tokens, read on
+the device; everything else it needs (positions, slots, block tables, adapter segments, and its
+sampling parameters: each row one token further, app/engine/sampling_params.py) is known.
 
 The engine's next step takes it if what the scheduler then plans is a decode step of a subset of
 those requests, each still at the position and with the token the step ran on; rows of requests
 that ended meanwhile (stop token, abort) are dropped, as a smaller batch would compute the others
-(row results do not depend on each other). Otherwise it is discarded: its KV writes went to
-slots that the real step rewrites, or to blocks of ended requests, which later owners write after
-it in stream order; its cost is one wasted decode step on the GPU.
+(row results, sampled tokens included, do not depend on each other). Otherwise it is discarded: its
+KV writes went to slots that the real step rewrites, or to blocks of ended requests, which later
+owners write after it in stream order; its cost is one wasted decode step on the GPU.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.engine.sampler import fast_greedy
 from app.engine.sequence import Sequence
 from app.engine.step_output import StepOutput
 
@@ -29,7 +28,7 @@ from app.engine.step_output import StepOutput
 class Ahead:
     order: list[Sequence]  # the rows of the step launched ahead
     positions: list[int]  # each row's num_computed it ran at
-    src_rows: list[int]  # each row's row in `previous`, whose argmax was its input token
+    src_rows: list[int]  # each row's row in `previous`, whose drawn token was its input token
     previous: StepOutput
     output: StepOutput
 
@@ -44,14 +43,14 @@ class Ahead:
                 return None
             rows.append(i)
         rows.sort()
-        return StepOutput([self.order[i] for i in rows], greedy=self.output.greedy, rows=rows)
+        return StepOutput([self.order[i] for i in rows], self.output.drawn, rows)
 
 
 def next_decode(out: StepOutput, scheduler, block_size: int, max_batch: int) -> tuple[list[Sequence], list[int]] | None:
     """The rows (and their rows in `out`) of the decode step that follows `out` for sure, or None;
     rows whose next token starts a block are given it."""
     running = scheduler.running
-    if out.greedy is None or len(out.sampled) != len(running) or not all(fast_greedy(s) for s in out.sampled):
+    if len(out.sampled) != len(running):
         return None
     order, src = [], []
     for row, seq in zip(out.rows, out.sampled):

@@ -2,7 +2,8 @@
 shapes the paged kernels serve, a PagedBatch step, and for steps of decode rows only a
 replay of the CUDA graph of the batch's bucket (EngineConfig.cuda_graphs), with the next decode
 step launched ahead where it is certain (app/engine/run_ahead.py); else the AttentionGroup step
-of the CPU path. The model itself knows none of this."""
+of the CPU path. Either way the step's rows are sampled right behind its logits, on their device
+(app/engine/sampler.py). The model itself knows none of this."""
 from __future__ import annotations
 
 import torch
@@ -11,10 +12,11 @@ from app.engine.batch import build_paged_step, build_step
 from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import DecodeGraphs
 from app.engine.run_ahead import Ahead, next_decode
-from app.engine.sampler import fast_greedy
+from app.engine.sampler import draw
+from app.engine.sampling_params import Staging, step_sampling
 from app.engine.scheduler import blocks_for
 from app.engine.sequence import Sequence
-from app.engine.step_output import GreedyReadback, StepOutput
+from app.engine.step_output import DrawnRows, Readback, StepOutput, host_rows
 from ops import paged_attention, small_ops
 
 
@@ -30,7 +32,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, kv, config.max_num_seqs,
                                    min(blocks_for(max_model_len, config.block_size), config.num_kv_blocks),
                                    config.block_size, config.device) if self.paged and config.cuda_graphs else None
-        self.readback = GreedyReadback(config.max_num_seqs) if self.paged else None
+        self.readback = Readback(config.max_num_seqs) if self.paged else None
+        self.staging = Staging(config.device)
         self.ahead: Ahead | None = None
         self.steps_taken_ahead = 0
 
@@ -42,9 +45,13 @@ class ModelRunner:
             self.steps_taken_ahead += 1
             return out
         logits, sampled = self.run(scheduled)
-        if self.readback is not None and all(fast_greedy(s) for s in sampled):
-            return StepOutput(sampled, greedy=self.readback.start(logits))
-        return StepOutput(sampled, logits=logits)
+        return StepOutput(sampled, self._draw(logits, sampled))
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> DrawnRows:
+        """Queue the sampling of each row of logits (see step_sampling for `ahead`)."""
+        sp = step_sampling(seqs, self.model.cfg.eos_token_ids, self.model.cfg.vocab_size, self.staging, ahead)
+        drawn = draw(logits, sp)
+        return self.readback.start(drawn, sp) if self.readback is not None else host_rows(drawn, sp)
 
     def run_ahead(self, out: StepOutput, scheduler) -> None:
         """Queue the decode step that must follow `out` (called once its rows' num_computed count it)."""
@@ -53,8 +60,8 @@ class ModelRunner:
             return
         order, src = nxt
         positions = [s.num_computed for s in order]
-        logits = self.graphs.run(order, next_tokens=(out.greedy.argmax, src))
-        self.ahead = Ahead(order, positions, src, out, StepOutput(order, greedy=self.readback.start(logits)))
+        logits = self.graphs.run(order, next_tokens=(out.drawn.tokens, src))
+        self.ahead = Ahead(order, positions, src, out, StepOutput(order, self._draw(logits, order, ahead=1)))
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [n, vocab] (fp32) and the n sequences whose next token they give, in row order."""

@@ -1,104 +1,100 @@
-"""Token sampling: greedy, temperature, top-k, top-p, seeded, min_tokens, logprobs.
+"""Token sampling for every row of a step at once: greedy, temperature, top-k, top-p, seeded,
+min_tokens (suppressed stop tokens), logprobs.
 
-Seeded sampling draws from a generator seeded by (seed, absolute position of the
-token), so a request resumed after a migration samples exactly what it would
-have sampled uninterrupted.
+`draw` is a few batched torch ops over the step's logits [n, vocab], the same on CPU and CUDA, with
+no per-row Python and no host sync (CUDA-graph replays and steps launched ahead queue it behind them;
+the host reads only its results, app/engine/step_output.py). Per row, from its parameters
+(app/engine/sampling_params.py):
 
-Every value the API accepts is safe here (temperature and top_p down to the
-smallest positive float, top_k beyond the vocabulary): rows are shifted by their
-maximum before the division by the temperature, in float64, so the best token
-sits at 0 and the others at ≤ 0 (−inf once exp would underflow anyway): a tiny
-temperature becomes greedy by arithmetic, never inf/inf = nan. Rejecting tiny
-values instead would refuse requests OpenAI accepts. A row that still holds a
-non-finite logit (an adapter that drives the model out of range) fails its own
-request (``SampleError``), never the batch.
+1. suppressed tokens (stop tokens before min_tokens) are set to −inf;
+2. greedy rows take the argmax (the first on ties, as torch.argmax);
+3. sampled rows: s = (z − max z) / T ≤ 0, the best token at exactly 0; top-k keeps s ≥ its k-th
+   largest value, top-p the largest values whose mass before them is < top_p (ranked by one sort per
+   step, only when a row asks); then inverse-CDF sampling in vocabulary order: the token is the first
+   whose cumulative exp(s) (float64) exceeds u · total, u the row's counter-based uniform for
+   (seed, absolute position). A token of zero mass is never drawn (the cumulative sum does not rise
+   there). Keeping everything ≥ a threshold keeps ties at the cut-off together, so no rank order of
+   equal values (which a sort or top-k may give in any order) decides a token.
+
+Every value the API accepts is safe: 1/T is clamped to float32's normal range (a temperature as small
+as 5e-324 leaves only the best token(s) at 0 and the rest at −inf: greedy by arithmetic, never
+inf/inf = nan); top_p keeps at least the best token; top_k beyond the vocabulary is off. A row that
+holds a non-finite logit (an adapter that drives the model out of range) yields a token index that is
+still in range, and its finite flag fails its own request (``SampleError``), never the batch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from app.engine.sampling_params import StepSampling
 from app.engine.sequence import Sequence
-
-_MASK64 = (1 << 63) - 1
 
 
 class SampleError(Exception):
     """One request cannot be sampled; its message is what its client is told."""
 
 
-def _suppress_stops(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]) -> None:
-    """Until min_tokens are out, EOS and stop token ids cannot be drawn."""
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        if len(seq.output_ids) < p.min_tokens:
-            banned = [*p.stop_token_ids, *(() if p.ignore_eos else eos_ids)]
-            logits[i, [t for t in banned if t < logits.shape[1]]] = float("-inf")
-
-
-def _draw(row: torch.Tensor, seq: Sequence) -> int:
-    p = seq.params
-    row = row.double()
-    row = (row - row.max()) / p.temperature  # ≤ 0, the best token(s) exactly 0
-    if p.top_k:
-        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
-        drop[0] = False
-        probs = probs.scatter(0, idx[drop], 0.0)
-    gen = torch.Generator(device=row.device).manual_seed(hash((seq.seed, seq.num_tokens)) & _MASK64)
-    return int(torch.multinomial(probs, 1, generator=gen))
-
-
-def _logprobs(logprobs_row: torch.Tensor, token: int, n: int) -> dict:
-    top = torch.topk(logprobs_row, n) if n else None
-    return {
-        "token_id": token,
-        "logprob": float(logprobs_row[token]),
-        "top": [(int(i), float(v)) for v, i in zip(*top)] if top is not None else [],
-    }
-
-
-def _nonfinite(seq: Sequence) -> SampleError:
+def nonfinite(seq: Sequence) -> SampleError:
     source = f"adapter {seq.request.adapter!r}" if seq.request.adapter else "the base model"
     return SampleError(f"{source} produced non-finite logits for this request; generation stopped")
 
 
-def fast_greedy(seq: Sequence) -> bool:
-    """Whether sample() gives this row its logits' argmax as is: greedy, no token to suppress, no logprobs."""
-    p = seq.params
-    return p.greedy and p.logprobs is None and len(seq.output_ids) >= p.min_tokens
+@dataclass
+class Drawn:
+    """One step's results on the logits' device."""
+
+    tokens: torch.Tensor  # [n] int64
+    finite: torch.Tensor  # [n] bool: the row's logits were all finite
+    logprob: torch.Tensor | None = None  # [m] float32, the drawn token's, for StepSampling.logprob_rows
+    top_logprobs: torch.Tensor | None = None  # [m, top_n] float32, descending
+    top_ids: torch.Tensor | None = None  # [m, top_n] int64
 
 
-def greedy_tokens(argmax: list[int], finite: list[bool], seqs: list[Sequence]) -> list[int | SampleError]:
-    """sample()'s tokens for fast_greedy rows, from each row's argmax and finite flag computed elsewhere."""
-    return [t if ok else _nonfinite(s) for t, ok, s in zip(argmax, finite, seqs)]
+def draw(logits: torch.Tensor, sp: StepSampling) -> Drawn:
+    """logits: [n, vocab] fp32, row i sampled by sp's row i (logits are not modified)."""
+    z = logits
+    if sp.banned is not None:
+        z = logits.clone(memory_format=torch.contiguous_format)
+        z.index_put_(sp.banned, z.new_full((), float("-inf")))  # a device fill: no host copy, no sync
+    tokens = z.argmax(dim=-1)
+    if sp.sampled:
+        tokens = torch.where(sp.greedy, tokens, _random(z, sp))
+    out = Drawn(tokens, torch.isfinite(logits).all(dim=-1))
+    if sp.logprob_rows:
+        lp = torch.log_softmax(logits.index_select(0, sp.logprob_index), dim=-1)
+        out.logprob = lp.gather(1, tokens.index_select(0, sp.logprob_index)[:, None]).squeeze(1)
+        if sp.top_n:
+            out.top_logprobs, out.top_ids = torch.topk(lp, sp.top_n, dim=-1)
+    return out
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]):
-    """logits: [n, vocab] fp32, one row per sequence → (tokens, logprob dicts or None),
-    each list holding a SampleError instead for a request that could not be sampled."""
-    raw = logits
-    finite = torch.isfinite(raw).all(dim=-1).tolist()
-    logits = logits.clone()
-    _suppress_stops(logits, seqs, eos_ids)
-    greedy = logits.argmax(dim=-1).tolist()
-    tokens: list[int | SampleError] = []
-    for i, s in enumerate(seqs):
-        if not finite[i]:
-            tokens.append(_nonfinite(s))
-            continue
-        try:
-            tokens.append(greedy[i] if s.params.greedy else _draw(logits[i], s))
-        except RuntimeError as exc:  # torch's own checks (e.g. multinomial's): this request's alone
-            tokens.append(SampleError(f"sampling failed for this request: {exc}"))
-    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and isinstance(tokens[i], int)]
-    info: list[dict | None] = [None] * len(seqs)
-    if want:
-        lp = torch.log_softmax(raw[want], dim=-1).cpu()
-        for j, i in enumerate(want):
-            info[i] = _logprobs(lp[j], tokens[i], seqs[i].params.logprobs)
-    return tokens, info
+def _random(z: torch.Tensor, sp: StepSampling) -> torch.Tensor:
+    s = (z - z.max(dim=-1, keepdim=True).values) * sp.inv_temperature[:, None]
+    if sp.top_k or sp.top_p:
+        s = s.masked_fill(s < _floor(s, sp)[:, None], float("-inf"))
+    cdf = torch.cumsum(torch.exp(s), dim=-1, dtype=torch.float64)
+    x = sp.u[:, None] * cdf[:, -1:]  # < the total: u ≤ 1 − 2⁻⁵³
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=z.shape[-1] - 1)
+
+
+def _floor(s: torch.Tensor, sp: StepSampling) -> torch.Tensor:
+    """[n] the smallest s each row keeps after top-k, then top-p (−inf: all)."""
+    if sp.top_p:
+        ranked = torch.sort(s, dim=-1, descending=True).values
+    else:
+        ranked = torch.topk(s, sp.top_k, dim=-1).values
+    last = ranked.shape[-1] - 1
+    none = s.new_full((), float("-inf"))
+    floor = none.expand(s.shape[0])
+    if sp.top_k:
+        kth = ranked.gather(1, (sp.k - 1).clamp(0, last)[:, None]).squeeze(1)
+        floor = torch.where(sp.k > 0, kth, none)
+    if sp.top_p:
+        mass = torch.exp(ranked).double().masked_fill_(ranked < floor[:, None], 0.0)
+        cum = mass.cumsum(dim=-1)
+        kept = ((cum - mass) < sp.p[:, None] * cum[:, -1:]).sum(dim=-1).clamp_(1, last + 1)
+        pth = ranked.gather(1, (kept - 1)[:, None]).squeeze(1)
+        floor = torch.where(sp.p < 1.0, torch.maximum(floor, pth), floor)
+    return floor

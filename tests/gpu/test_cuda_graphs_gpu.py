@@ -53,6 +53,14 @@ def _slots(engine):
     return slots
 
 
+def _random_kv(engine, seed):
+    """Fill the KV cache with random values (every block a row may read)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for k, v in engine.kv:
+        k.copy_(torch.randn(k.shape, device="cuda", generator=gen))
+        v.copy_(torch.randn(v.shape, device="cuda", generator=gen))
+
+
 def _decode_rows(n, slots_of_rows, rng, max_len=1500, blocks=1024):
     free = list(range(blocks))
     rng.shuffle(free)
@@ -73,10 +81,7 @@ def test_graph_replay_equals_eager_bit_for_bit(model_dir, dtype):
     engine = _engine(model_dir, dtype)
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.capture_seconds < 60
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    for k, v in engine.kv:
-        k.copy_(torch.randn(k.shape, device="cuda", generator=gen))
-        v.copy_(torch.randn(v.shape, device="cuda", generator=gen))
+    _random_kv(engine, 1)
     slots = _slots(engine)
     rng = random.Random(0)
     mixes = {

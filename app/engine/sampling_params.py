@@ -1,0 +1,143 @@
+"""One step's sampling parameters as per-row tensors, built once per step from its sequences.
+
+Every row of a step is sampled by the same batched ops (app/engine/sampler.py); what differs between
+requests is data in these tensors, never code run per row. Host flags say which ops the step needs
+at all (a random draw, a top-k or top-p filter, suppressed tokens, logprobs), so an all-greedy step
+costs an argmax as before. New per-token constraints (penalties, logit_bias, grammar masks) belong
+here as further per-row tensors, applied where the sampler applies the suppressed tokens.
+
+The random draw of a row is a counter-based uniform keyed by (seed, absolute position of the token):
+output `position` of SplitMix64 started at the mixed seed, computed on the host in integer arithmetic.
+It depends on nothing else: not the batch, its order or size, the CUDA-graph bucket, the device, or
+whether the tokens before were generated here or on another replica before a migration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from app.engine.sequence import Sequence
+
+_M64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment
+# 1/temperature is kept within float32's normal range: 0 · FLT_MAX = 0 at the best token (a tiny
+# temperature is greedy by arithmetic, not inf/inf = nan), −inf · FLT_MIN = −inf for a suppressed one.
+_INV_T_MAX = float(np.finfo(np.float32).max)
+_INV_T_MIN = float(np.finfo(np.float32).tiny)
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer (a bijection of 64-bit integers)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """The draw in (0, 1) of the token at absolute `position` of a request seeded `seed` (any int)."""
+    z = _mix64((_mix64(seed & _M64) + (position + 1) * _GAMMA) & _M64)
+    return ((z >> 12) + 0.5) * 2.0**-52  # 52 bits: 1 − 2⁻⁵³ at most, exactly representable
+
+
+def inverse_temperature(t: float) -> float:
+    return min(max(1.0 / t, _INV_T_MIN), _INV_T_MAX) if t > 0 else _INV_T_MAX
+
+
+@dataclass
+class StepSampling:
+    """What sampler.draw needs for the n rows of one step. Device tensors are None where no row uses them."""
+
+    rows: int
+    sampled: bool = False  # some row draws at random (the others take their argmax)
+    top_k: int = 0  # the largest top_k of a row that filters by it (0: none does)
+    top_p: bool = False  # some row filters by top_p
+    logprob_rows: list[int] = field(default_factory=list)  # rows returning logprobs (host)
+    logprob_counts: list[int] = field(default_factory=list)  # their top-n each
+    greedy: torch.Tensor | None = None  # [n] bool: the argmax, whatever the draw says
+    inv_temperature: torch.Tensor | None = None  # [n] float32
+    k: torch.Tensor | None = None  # [n] int64, 0: no top-k
+    p: torch.Tensor | None = None  # [n] float64, 1: no top-p
+    u: torch.Tensor | None = None  # [n] float64 in (0, 1)
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) that cannot be drawn now
+    logprob_index: torch.Tensor | None = None  # [m] int64, logprob_rows on the device
+
+    @property
+    def top_n(self) -> int:
+        return max(self.logprob_counts, default=0)
+
+
+class Staging:
+    """Where the step's parameters are copied to the device from. On CUDA: two pinned host buffers in
+    turn (the step launched ahead fills one while the other's copy may still be queued), each refilled
+    only once its previous copy is done, so a copy never blocks the host behind queued kernels."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else []
+        self._turn = 0
+
+    def upload(self, values: np.ndarray) -> torch.Tensor:
+        """values (float64, 1-D) on the device."""
+        if not self.cuda:
+            return torch.from_numpy(values).to(self.device)
+        k, self._turn = self._turn, self._turn ^ 1
+        self._copied[k].synchronize()
+        buf = self._buffers[k]
+        if buf is None or buf.numel() < values.size:
+            buf = self._buffers[k] = torch.empty(max(values.size, 1024), dtype=torch.float64).pin_memory()
+        buf.numpy()[: values.size] = values
+        out = buf[: values.size].to(self.device, non_blocking=True)
+        self._copied[k].record()
+        return out
+
+
+def step_sampling(seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, staging: Staging,
+                  ahead: int = 0) -> StepSampling:
+    """The parameters of the step that samples the next token of each of `seqs` (its rows, in order).
+    ahead: tokens each sequence will have gained by then (1 for a step launched before the current
+    step's tokens reach the host)."""
+    n = len(seqs)
+    s = StepSampling(n)
+    greedy, inv_t, k, p, u = np.ones(n), np.ones(n), np.zeros(n), np.ones(n), np.full(n, 0.5)
+    banned: list[tuple[int, int]] = []
+    for i, seq in enumerate(seqs):
+        par = seq.params
+        if len(seq.output_ids) + ahead < par.min_tokens:  # EOS and stop token ids cannot end it yet
+            banned += [(i, t) for t in (*par.stop_token_ids, *(() if par.ignore_eos else eos_ids)) if 0 <= t < vocab]
+        if par.logprobs is not None:
+            s.logprob_rows.append(i)
+            s.logprob_counts.append(min(par.logprobs, vocab))
+        if par.greedy:
+            continue
+        s.sampled, greedy[i], inv_t[i] = True, 0, inverse_temperature(par.temperature)
+        u[i] = uniform(seq.seed, seq.num_tokens + ahead)
+        if 0 < par.top_k < vocab:
+            k[i] = par.top_k
+            s.top_k = max(s.top_k, par.top_k)
+        if par.top_p < 1.0:
+            p[i], s.top_p = par.top_p, True
+    parts = []
+    if s.sampled:
+        parts += [greedy, inv_t, k, p, u]
+    if banned:
+        parts.append(np.array(banned, dtype=np.float64).T.reshape(-1))
+    parts.append(np.array(s.logprob_rows, dtype=np.float64))
+    if len(parts) == 1 and not s.logprob_rows:
+        return s  # every row greedy, nothing suppressed, no logprobs: the argmax as it is
+    dev = staging.upload(np.concatenate(parts))
+    at = 0
+    if s.sampled:
+        s.greedy, s.inv_temperature, s.k = dev[:n] > 0.5, dev[n : 2 * n].float(), dev[2 * n : 3 * n].long()
+        s.p, s.u = dev[3 * n : 4 * n], dev[4 * n : 5 * n]
+        at = 5 * n
+    if banned:
+        pairs = dev[at : at + 2 * len(banned)].long()
+        s.banned = (pairs[: len(banned)], pairs[len(banned) :])
+        at += 2 * len(banned)
+    if s.logprob_rows:
+        s.logprob_index = dev[at:].long()
+    return s
