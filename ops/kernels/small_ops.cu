@@ -103,6 +103,20 @@ __global__ void __launch_bounds__(256) silu_mul_kernel(const SiluMulArgs a) {
   }
 }
 
+// out = T(T(gelu_tanh(gate)) * up), as F.gelu(gate, approximate="tanh") * up rounds (Gemma's GeGLU).
+template <class T>
+__global__ void __launch_bounds__(256) gelu_tanh_mul_kernel(const SiluMulArgs a) {
+  const T* in = static_cast<const T*>(a.gate_up);
+  T* out = static_cast<T*>(a.out);
+  for (long long i = blockIdx.x * 256LL + threadIdx.x; i < a.total; i += static_cast<long long>(gridDim.x) * 256) {
+    const long long t = i / a.inter, c = i % a.inter;
+    const float g = DType<T>::to_float(in[t * 2 * a.inter + c]);
+    const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2 / pi)
+    const float s = DType<T>::to_float(DType<T>::from_float(0.5f * g * (1.f + tanhf(inner))));
+    out[i] = DType<T>::from_float(s * DType<T>::to_float(in[t * 2 * a.inter + a.inter + c]));
+  }
+}
+
 struct RopeKvArgs {
   void* qkv;                // [tokens, (heads + 2 * kv_heads) * D]: q | k | v, rows qkv_stride apart
   const void* cos;          // [tokens, D]
