@@ -24,6 +24,7 @@ class ModelConfig:
     inv_freq: torch.Tensor  # [head_dim / 2], as the checkpoint's RoPE config defines it
     rope_scaling: float  # attention factor applied to cos/sin (1.0 unless yarn-like)
     eos_token_ids: tuple[int, ...]
+    family: str = "llama"  # the HF model_type
     traits: Traits = Traits()
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window (keys q-w < k <= q), None: full
@@ -54,6 +55,7 @@ class ModelConfig:
             inv_freq=inv_freq,
             rope_scaling=scaling,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            family=hf.model_type,
             traits=traits,
             attn_scale=None if pre_attn is None else float(pre_attn) ** -0.5,
             layer_windows=_windows(hf, traits),

@@ -75,3 +75,19 @@ def check_supported(hf) -> Traits:
     if bad:
         raise ValueError(f"unsupported model config ({hf.model_type}): " + "; ".join(bad))
     return traits
+
+
+def check_checkpoint(path: str) -> None:
+    """Refuse, before anything starts, a local checkpoint directory whose config the engine
+    cannot serve exactly (the replica would fail the same way, later and once per replica)."""
+    from pathlib import Path
+
+    if not (Path(path) / "config.json").is_file():
+        return  # not a local checkpoint (the replica resolves and checks other sources)
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"unsupported model config in {Path(path).name}: {str(exc).splitlines()[0]}") from None
+    check_supported(hf)
