@@ -30,7 +30,7 @@ class LlamaModel:
         self.inv_freq = cfg.inv_freq.to(device)
         self.local_inv_freq = None if cfg.local_inv_freq is None else cfg.local_inv_freq.to(device)
         # HF multiplies by the scale rounded to the model dtype (Gemma)
-        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=self.dtype) if cfg.traits.embed_scale else None
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=self.dtype, device=device) if cfg.traits.embed_scale else None
         self.act = gelu_tanh_mul if cfg.traits.gelu_tanh else silu_mul
         self._out_dims = {m: d_out for m, (_, d_out) in cfg.module_dims.items()}
 
@@ -44,7 +44,7 @@ class LlamaModel:
         eps = c.rms_norm_eps
         h = self.w.embed[inp.token_ids]  # h: [tokens, hidden], the residual stream (updated in place)
         if self.embed_scale is not None:
-            h = h * self.embed_scale.to(h.device)
+            h = h * self.embed_scale
         x = rms_norm(h, self.w.layers[0].input_norm, eps) if self.w.layers else h
         for i, layer in enumerate(self.w.layers):
             cos_sin = local if c.window(i) is not None else rope
