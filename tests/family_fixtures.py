@@ -59,21 +59,23 @@ FAMILIES = {"qwen2": _qwen2, "qwen3": _qwen3, "mistral": _mistral, "gemma2": _ge
             "phi3": _phi3}
 
 
-def make_family_checkpoint(family: str, path: Path, seed: int = 0, **overrides) -> tuple[Path, list[str]]:
+def make_family_checkpoint(family: str, path: Path, seed: int = 0) -> tuple[Path, list[str]]:
     """A random checkpoint of `family` whose biases and norm weights are random too (HF initialises
     them to 0 / 1, which would hide a dropped bias or a misread norm). Returns (path, LoRA targets)."""
     torch.manual_seed(seed)
     model, targets = FAMILIES[family]()
-    for k, v in overrides.items():
-        setattr(model.config, k, v)
+    randomize_biases_and_norms(model)
+    model.save_pretrained(path, safe_serialization=True)
+    return path, targets
+
+
+def randomize_biases_and_norms(model) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0, 0.5)
             elif "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(path, safe_serialization=True)
-    return path, targets
 
 
 def hf_family_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int,

@@ -56,8 +56,9 @@ def load_weights(ckpt: Path, cfg: ModelConfig, dtype: torch.dtype, device: str) 
     def get(key: str) -> torch.Tensor:
         return state[key].to(device=device, dtype=dtype)
 
-    def norm(key: str) -> torch.Tensor:  # Gemma's (1 + w), folded once in fp32
-        return (1.0 + state[key].float()).to(device=device, dtype=dtype) if t.norm_plus_one else get(key)
+    def norm(key: str) -> torch.Tensor:
+        # Gemma's (1 + w), folded once and kept in fp32: its RMSNorm multiplies in fp32 and rounds once
+        return (1.0 + state[key].float()).to(device) if t.norm_plus_one else get(key)
 
     def proj(p: str, fused: str) -> torch.Tensor:
         block, modules = FUSED[fused]
