@@ -78,18 +78,27 @@ def randomize_biases_and_norms(model) -> None:
                 p.add_(torch.randn_like(p) * 0.3)
 
 
-def hf_family_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int,
-                     dtype=torch.float32, device="cpu") -> list[int]:
+def hf_family_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int) -> list[int]:
+    return hf_family_greedy_many(model_dir, adapter_dir, [prompt], max_new_tokens)[0]
+
+
+def hf_family_greedy_many(model_dir: Path, adapter_dir: Path | None, prompts: list[list[int]],
+                          max_new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of HF transformers (+ PEFT), fp32, eager attention, one prompt at a time
+    (no padding), the model loaded once."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").to(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     if adapter_dir is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter_dir).to(device)
+        model = PeftModel.from_pretrained(model, adapter_dir)
     model.eval()
     model.generation_config.eos_token_id = None
+    outs = []
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            outs.append(out[0, len(prompt):].tolist())
+    return outs

