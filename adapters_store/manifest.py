@@ -13,6 +13,9 @@ from pathlib import Path
 from adapters_store.errors import InvalidAdapterError
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's checkpoint fuses q|k|v and gate|up, so its adapters name the fused modules; the weights
+# check (peft_weights) narrows these to the base model's own names.
+FUSED_TARGET_MODULES = ("qkv_proj", "gate_up_proj")
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,9 @@ def parse_manifest(raw: bytes | str, max_rank: int) -> AdapterManifest:
         raise InvalidAdapterError(f"lora_alpha={alpha!r} must be a number")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(TARGET_MODULES))
+        unknown = sorted(set(targets) - set(TARGET_MODULES + FUSED_TARGET_MODULES))
         if unknown:
-            raise InvalidAdapterError(f"unknown target modules {unknown}; supported: {list(TARGET_MODULES)}")
+            raise InvalidAdapterError(f"unknown target modules {unknown}; supported: {list(TARGET_MODULES + FUSED_TARGET_MODULES)}")
         targets = tuple(targets)
     elif not isinstance(targets, str):
         raise InvalidAdapterError("target_modules must be a list of module names or a regex string")

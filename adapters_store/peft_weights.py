@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from adapters_store.errors import InvalidAdapterError
-from adapters_store.manifest import TARGET_MODULES, AdapterManifest, read_manifest
+from adapters_store.manifest import AdapterManifest, read_manifest
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -24,6 +24,9 @@ class ModelShape:
 
     num_layers: int
     dims: dict[str, tuple[int, int]]
+    # checkpoint module name -> the engine modules it fuses, in output order (Phi-3's qkv_proj):
+    # an adapter on the fused name is split exactly into one A/B pair per member (A shared, B's rows cut)
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -54,26 +57,51 @@ class LoraWeights:
         return sum(a.nbytes + b.nbytes for a, b in self.tensors.values())
 
 
+def targets_of(shape: ModelShape) -> list[str]:
+    """The module names an adapter of this model may target (the checkpoint's own names)."""
+    fused = {m for members in shape.fused.values() for m in members}
+    return [m for m in shape.dims if m not in fused] + list(shape.fused)
+
+
 def _group(state: dict[str, torch.Tensor], shape: ModelShape) -> dict:
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    targets = targets_of(shape)
     for key, tensor in state.items():
         m = _KEY.search(key)
         if m is None:
             raise InvalidAdapterError(f"unexpected tensor {key!r} (only LoRA A/B weights are served)")
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        if module not in TARGET_MODULES:
-            raise InvalidAdapterError(f"unknown target module {module!r} in {key!r}")
+        if module not in targets:
+            raise InvalidAdapterError(f"unknown target module {module!r} in {key!r}; this model's: {targets}")
         if layer >= shape.num_layers:
             raise InvalidAdapterError(f"{key!r}: layer {layer} but the base model has {shape.num_layers}")
         pairs.setdefault((layer, module), {})[ab] = tensor
     return pairs
 
 
+def _dims(shape: ModelShape, module: str) -> tuple[int, int]:
+    if module in shape.fused:
+        members = [shape.dims[m] for m in shape.fused[module]]
+        return members[0][0], sum(d_out for _, d_out in members)
+    return shape.dims[module]
+
+
+def _split(where: tuple[int, str], a: torch.Tensor, b: torch.Tensor, shape: ModelShape):
+    """A fused module's pair as its members' pairs: x A^T B_m^T is exactly the m-th column block
+    of x A^T B^T, so each member keeps A and takes its own rows of B."""
+    layer, module = where
+    if module not in shape.fused:
+        return [(where, (a, b))]
+    members = shape.fused[module]
+    parts = b.split([shape.dims[m][1] for m in members])
+    return [((layer, m), (a, part.contiguous())) for m, part in zip(members, parts)]
+
+
 def _check_pair(where: tuple[int, str], pair: dict, rank: int, shape: ModelShape):
     if set(pair) != {"A", "B"}:
         raise InvalidAdapterError(f"layer {where[0]} {where[1]}: missing lora_{'A' if 'A' not in pair else 'B'}")
     a, b = pair["A"], pair["B"]
-    d_in, d_out = shape.dims[where[1]]
+    d_in, d_out = _dims(shape, where[1])
     if tuple(a.shape) != (rank, d_in) or tuple(b.shape) != (d_out, rank):
         raise InvalidAdapterError(
             f"layer {where[0]} {where[1]}: shapes A{tuple(a.shape)} B{tuple(b.shape)} do not fit the base "
@@ -100,7 +128,8 @@ def parse_weights(name: str, manifest: AdapterManifest, blob: bytes, shape: Mode
         stray = {m for _, m in pairs} - set(manifest.target_modules)
         if stray:
             raise InvalidAdapterError(f"weights for {sorted(stray)} not listed in target_modules")
-    tensors = {where: _check_pair(where, pair, manifest.rank, shape) for where, pair in pairs.items()}
+    tensors = dict(part for where, pair in pairs.items()
+                   for part in _split(where, *_check_pair(where, pair, manifest.rank, shape), shape))
     return LoraWeights(name, hashlib.sha256(blob).hexdigest(), manifest, tensors)
 
 

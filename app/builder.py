@@ -14,6 +14,7 @@ from ray.serve import Application
 from app.config import parse_args
 from app.ingress import Ingress
 from app.model.default import DEFAULT_MODEL_NAME
+from app.model.family import check_checkpoint
 from app.registry import AdapterRegistry, scan
 from app.replica import LoraReplica, ReplicaSettings, build_async_engine
 
@@ -28,6 +29,8 @@ def app_from_args(args: dict | None, engine_factory: Callable = build_async_engi
     settings = parse_args(args, DEFAULT_MODEL_NAME)
     if settings.model is None:
         _warm_default_model()
+    else:
+        check_checkpoint(settings.model)  # an architecture feature the engine lacks stops `serve run` here
     adapters = tuple(scan(settings.adapter_dirs))
     registry = AdapterRegistry.bind(list(adapters), settings.registry_path)
     replica = LoraReplica.options(**settings.replica_options).bind(

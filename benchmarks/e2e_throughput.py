@@ -1,6 +1,8 @@
 """Punica Fig. 11 on one GPU: end-to-end generation throughput of the engine by workload.
 
 On the device:  python benchmarks/e2e_throughput.py --out benchmarks/results/e2e_throughput_h200.json
+Other shapes:   python benchmarks/e2e_throughput.py --shape llama3-8b   (or qwen2.5-7b; JSON + PNG
+                e2e_throughput_h200_<shape> unless --out says otherwise)
 Anywhere:       python benchmarks/e2e_throughput.py --plot-only
 Sampled decoding against greedy: --sampling (benchmarks/e2e_sampling.py)
 
@@ -45,15 +47,27 @@ KV_BLOCKS_PER_SEQ = 128  # 2048 tokens: room for the ShareGPT-like lengths
 SHAREGPT = dict(prompt=161, output=338, sigma=1.0, lo=4, hi=1024)
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPE = dict(vocab=32000, hidden=4096, inter=11008, layers=32, heads=32, kv_heads=32, head_dim=128)
+# --shape: real checkpoints' shapes (random weights); `family` picks the traits (Qwen2: q/k/v bias)
+SHAPES = {
+    "llama2-7b": dict(SHAPE, family="llama"),
+    "llama3-8b": dict(vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, head_dim=128, family="llama"),
+    "qwen2.5-7b": dict(vocab=152064, hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128,
+                       family="qwen2"),
+}
+SHAPE_NAME = "llama2-7b"
 
 
 def model_config():
     from app.model.config import ModelConfig
 
     d = SHAPE["head_dim"]
+    from app.model.family import FAMILIES
+
+    family = SHAPE.get("family", "llama")
     return ModelConfig(SHAPE["vocab"], SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"], SHAPE["heads"],
                        SHAPE["kv_heads"], d, 1e-5, False, 4096,
-                       1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 1.0, ())
+                       1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 1.0, (), family=family,
+                       traits=FAMILIES[family])
 
 
 def random_weights(cfg, dtype=torch.float16):
@@ -63,8 +77,10 @@ def random_weights(cfg, dtype=torch.float16):
     rnd = lambda *s: (torch.randn(*s, device="cuda", generator=g) * 0.02).to(dtype)  # noqa: E731
     ones = lambda: (1 + 0.1 * torch.randn(cfg.hidden_size, device="cuda", generator=g)).to(dtype)  # noqa: E731
     h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
-    layers = [LayerWeights(ones(), ones(), {"qkv": rnd(h + 2 * kv, h), "o": rnd(h, h), "gate_up": rnd(2 * i, h),
-                                            "down": rnd(h, i)}) for _ in range(cfg.num_layers)]
+    q = cfg.num_heads * cfg.head_dim
+    layers = [LayerWeights(ones(), ones(), {"qkv": rnd(q + 2 * kv, h), "o": rnd(h, q), "gate_up": rnd(2 * i, h),
+                                            "down": rnd(h, i)},
+                           bias={"qkv": rnd(q + 2 * kv)} if cfg.traits.qkv_bias else {}) for _ in range(cfg.num_layers)]
     return ModelWeights(rnd(cfg.vocab_size, h), rnd(cfg.vocab_size, h), ones(), layers)
 
 
@@ -217,7 +233,7 @@ def plot(data, png):
         ax.set(xticks=x, title=f"max batch {b}, prompt / new {kind}", ylabel="tokens / s")
         ax.set_xticklabels([r["workload"] for r in ours])
         ax.legend(fontsize=7)
-    save_figure(fig, f"Llama-2-7B shape fp16, rank 16, {data['requests']} requests, {data['device']}", png)
+    save_figure(fig, f"{data.get('shape', 'llama2-7b')} shape fp16, rank 16, {data['requests']} requests, {data['device']}", png)
 
 
 def main():
@@ -228,7 +244,13 @@ def main():
     ap.add_argument("--sharegpt-batches", default="32", help="max batches that also run ShareGPT-like lengths")
     ap.add_argument("--plot-only", action="store_true")
     ap.add_argument("--sampling", action="store_true", help="sampled vs greedy decoding instead (benchmarks/e2e_sampling.py)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=SHAPE_NAME, help="model shape (random weights)")
     args = ap.parse_args()
+    if args.shape != SHAPE_NAME:
+        SHAPE.clear()
+        SHAPE.update(SHAPES[args.shape])
+        if args.out == ap.get_default("out"):
+            args.out = args.out.with_name(f"e2e_throughput_h200_{args.shape}.json")
     if args.sampling:
         from benchmarks import e2e_sampling
 
@@ -247,7 +269,7 @@ def main():
     names = adapters(cfg, args.requests)
     adapter_bytes = 2 * 16 * sum(i + o for i, o in cfg.module_dims.values()) * cfg.num_layers
     rows, breakdown, capture = [], [], {}
-    data = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), requests=args.requests,
+    data = dict(shape=args.shape, device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), requests=args.requests,
                 copy_bandwidth_Bps=bw, matmul_flops=rate, startup=capture, breakdown=breakdown, rows=rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save = lambda: args.out.write_text(json.dumps(data, indent=1))  # noqa: E731  (after every part)

@@ -32,7 +32,7 @@ import torch
 
 PART = 512  # most tokens per partition (kPart in kernels/attention.cu)
 HEAD_DIMS = (64, 128)
-GROUPS = (1, 2, 4, 8)  # query heads per KV head
+GROUPS = (1, 2, 4, 5, 6, 7, 8)  # query heads per KV head (Qwen2.5: 5, 6 and 7)
 _CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 
 
@@ -43,7 +43,7 @@ class _DecodeArgs(ctypes.Structure):
                                                 "part_acc", "part_ml")]
     _fields_ += [(n, ctypes.c_longlong) for n in ("q_stride", "out_stride")]
     _fields_ += [(n, ctypes.c_int) for n in ("table_stride", "heads", "kv_heads", "block_size", "splits")]
-    _fields_ += [("scale", ctypes.c_float)]
+    _fields_ += [("scale", ctypes.c_float), ("window", ctypes.c_int), ("softcap", ctypes.c_float)]
 
 
 @dataclass(frozen=True)
@@ -107,9 +107,11 @@ def _function(name: str, device: torch.device):
     return nvrtc.load_function("attention.cu", name, index)
 
 
-def paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale: float, splits: int):
+def paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale: float, splits: int,
+                 window: int | None = None, softcap: float | None = None):
     """out[s, h] = softmax(q[s, h] · K[s]ᵀ · scale) · V[s] over the first context_lens[s] tokens
-    of sequence s's blocks, K/V head h // (heads / kv_heads); a row of length 0 gets zeros.
+    of sequence s's blocks (the last `window` of them with a window), K/V head h // (heads /
+    kv_heads); a row of length 0 gets zeros. softcap: scores softcap · tanh(score / softcap).
 
     out: [seqs, heads, D] written in place (row stride free, unit elsewhere); q: [seqs, heads, D]
     alike; caches: [blocks, block_size, kv_heads, D] contiguous, q's dtype (fp16/bf16), D 64 or
@@ -136,7 +138,8 @@ def paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale: fl
         part_acc=None if part_acc is None else part_acc.data_ptr(),
         part_ml=None if part_ml is None else part_ml.data_ptr(),
         q_stride=q.stride(0), out_stride=out.stride(0), table_stride=block_tables.stride(0), heads=heads,
-        kv_heads=kv_heads, block_size=k_cache.shape[1], splits=splits, scale=scale,
+        kv_heads=kv_heads, block_size=k_cache.shape[1], splits=splits, scale=scale, window=window or 0,
+        softcap=softcap or 0.0,
     )
     main, reduce = kernel_names(q.dtype, d, heads // kv_heads)
     from .launch import launch
@@ -147,18 +150,47 @@ def paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale: fl
     return out
 
 
-def prefill_varlen(out, q, k_cache, v_cache, rows: PrefillRows, scale: float):
+def prefill_varlen(out, q, k_cache, v_cache, rows: PrefillRows, scale: float, window: int | None = None,
+                   softcap: float | None = None):
     """out[t] = causal softmax attention of q[t] over its request's context (the context's last
-    tokens are the request's rows, bottom-right aligned), for t < rows.tokens.
+    tokens are the request's rows, bottom-right aligned), for t < rows.tokens; with a window,
+    over keys p - window < k <= p only; with softcap, the scores soft-capped first.
 
     out, q: [tokens, heads, D]; caches already hold this step's KV.
     """
     k = k_cache.view(-1, *k_cache.shape[2:])[rows.kv_index]  # [sum of contexts, kv_heads, D]
     v = v_cache.view(-1, *v_cache.shape[2:])[rows.kv_index]
+    if softcap is not None:  # FlashAttention-2 here has no soft-capping
+        out[: rows.tokens] = _prefill_softcapped(q[: rows.tokens], k, v, rows, scale, window, softcap)
+        return out
+    sliding = {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
     o = torch.ops.aten._flash_attention_forward(q[: rows.tokens], k, v, rows.cu_q, rows.cu_k, rows.max_q,
-                                                rows.max_k, 0.0, True, False, scale=scale)[0]
+                                                rows.max_k, 0.0, True, False, scale=scale, **sliding)[0]
     out[: rows.tokens] = o
     return out
+
+
+def _prefill_softcapped(q, k, v, rows: PrefillRows, scale: float, window: int | None, softcap: float):
+    """Dense eager attention over all prefill rows at once (a request's rows see only its own keys),
+    rounded as HF's eager Gemma 2; [tokens, heads, D]. Memory grows as tokens × contexts × heads."""
+    cu_q, cu_k = rows.cu_q, rows.cu_k
+    t = torch.arange(q.shape[0], device=q.device, dtype=cu_q.dtype)
+    j = torch.arange(k.shape[0], device=q.device, dtype=cu_k.dtype)
+    req_q = torch.searchsorted(cu_q, t, right=True) - 1
+    req_k = torch.searchsorted(cu_k, j, right=True) - 1
+    past = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])  # context before each request's rows
+    q_pos = t - cu_q[req_q] + past[req_q]
+    k_pos = j - cu_k[req_k]
+    visible = (req_q[:, None] == req_k[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1).transpose(0, 1), v.repeat_interleave(group, dim=1).transpose(0, 1)
+    s = (q.transpose(0, 1) @ k.transpose(1, 2)) * scale  # [heads, tokens, contexts]
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (p @ v).transpose(0, 1)
 
 
 def warm_up(dtype: torch.dtype, head_dim: int, group: int, device) -> None:
@@ -167,13 +199,14 @@ def warm_up(dtype: torch.dtype, head_dim: int, group: int, device) -> None:
         _function(name, torch.device(device))
 
 
-def forward(out, q, k_cache, v_cache, batch: PagedBatch, scale: float):
+def forward(out, q, k_cache, v_cache, batch: PagedBatch, scale: float, window: int | None = None,
+            softcap: float | None = None):
     """Both parts of a step (prefill rows first, then decode rows) into out."""
     if batch.prefill is not None:
-        prefill_varlen(out, q, k_cache, v_cache, batch.prefill, scale)
+        prefill_varlen(out, q, k_cache, v_cache, batch.prefill, scale, window, softcap)
     if batch.decode is not None:
         dec = batch.decode
         n = dec.context_lens.shape[0]
         paged_decode(out[dec.first : dec.first + n], q[dec.first : dec.first + n], k_cache, v_cache,
-                     dec.block_tables, dec.context_lens, scale, dec.splits)
+                     dec.block_tables, dec.context_lens, scale, dec.splits, window, softcap)
     return out

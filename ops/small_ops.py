@@ -1,4 +1,4 @@
-"""Launches of kernels/small_ops.cu: RMSNorm (+ residual add), SwiGLU, RoPE + KV write.
+"""Launches of kernels/small_ops.cu: RMSNorm (+ residual add), SwiGLU, GeGLU, RoPE + KV write.
 
 One launch each instead of the 3-8 torch kernels of the eager ops (`ops.norms`, `ops.rope`,
 `ops.activation` dispatch here for fp16/bf16 CUDA tensors); they round as those ops do.
@@ -45,7 +45,8 @@ def all_kernel_names() -> list[str]:
     """Every instantiation launched here (CI compiles them for sm_80 and sm_90)."""
     names = []
     for c in _CTYPE.values():
-        names += [f"rms_norm_kernel<{c}, false>", f"rms_norm_kernel<{c}, true>", f"silu_mul_kernel<{c}>"]
+        names += [f"rms_norm_kernel<{c}, false>", f"rms_norm_kernel<{c}, true>", f"silu_mul_kernel<{c}>",
+                  f"gelu_tanh_mul_kernel<{c}>"]
         names += [f"rope_kv_kernel<{c}, {d}>" for d in HEAD_DIMS]
     return names
 
@@ -78,18 +79,27 @@ def rms_norm(h, weight, eps: float, delta=None):
     return out
 
 
-def silu_mul(gate_up):
-    """T(T(silu(gate)) * up) for gate_up = [gate | up]: [tokens, 2 * inter] contiguous → [tokens, inter]."""
+def _gated(kernel: str, gate_up):
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     total = tokens * inter
     if total == 0:
         return out
     if not gate_up.is_contiguous():
-        raise ValueError("silu_mul: gate_up must be contiguous")
+        raise ValueError(f"{kernel}: gate_up must be contiguous")
     args = _SiluMulArgs(gate_up=gate_up.data_ptr(), out=out.data_ptr(), total=total, inter=inter)
-    _run(f"silu_mul_kernel<{_CTYPE[gate_up.dtype]}>", min(-(-total // 256), 65536), 256, args, gate_up.device)
+    _run(f"{kernel}<{_CTYPE[gate_up.dtype]}>", min(-(-total // 256), 65536), 256, args, gate_up.device)
     return out
+
+
+def silu_mul(gate_up):
+    """T(T(silu(gate)) * up) for gate_up = [gate | up]: [tokens, 2 * inter] contiguous → [tokens, inter]."""
+    return _gated("silu_mul_kernel", gate_up)
+
+
+def gelu_tanh_mul(gate_up):
+    """T(T(gelu_tanh(gate)) * up) for gate_up = [gate | up]: [tokens, 2 * inter] contiguous → [tokens, inter]."""
+    return _gated("gelu_tanh_mul_kernel", gate_up)
 
 
 def rope_kv(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, head_dim: int):

@@ -23,9 +23,9 @@ def load_tokenizer(path: Path):
 
 def build_engine(model_path: str | Path | None = None, config: EngineConfig = EngineConfig(),
                  adapters: dict[str, str] | None = None, tokenizer="auto", store: AdapterStore | None = None) -> EngineCore:
-    """An EngineCore for a Llama-family checkpoint (found by app/model/source.py). ``adapters``
-    (name → local directory or s3:// URI) are registered in ``store`` (default: a new AdapterStore) and
-    loaded once now, so a bad one fails at start-up."""
+    """An EngineCore for a checkpoint of a supported family (app/model/family.py; found by
+    app/model/source.py). ``adapters`` (name → local directory or s3:// URI) are registered in
+    ``store`` (default: a new AdapterStore) and loaded once now, so a bad one fails at start-up."""
     from transformers import AutoConfig
 
     path = resolve_model(model_path)

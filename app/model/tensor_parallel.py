@@ -40,6 +40,7 @@ from safetensors import safe_open
 from adapters_store.host_cache import pack
 from adapters_store.peft_weights import LoraWeights
 from app.model.config import ModelConfig
+from app.model.family import Traits
 from app.model.weights import FUSED, LayerWeights, ModelWeights
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split
@@ -54,6 +55,8 @@ class Shard:
 
 def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
     """The shape one rank computes: 1/world of the heads, KV heads and MLP width."""
+    if dataclasses.replace(cfg.traits, all_layers_slide=False) != Traits():  # shards carry no biases or extra norms
+        raise ValueError(f"tensor_parallel_size {world} supports the llama and mistral families only, not {cfg.family}")
     for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
                     ("intermediate_size", cfg.intermediate_size)):
         if n % world:

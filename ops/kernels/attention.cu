@@ -7,7 +7,8 @@
 // at most kPart, so every split has work on short contexts too): its block-table entries
 // staged in shared memory (the row lookups then cost no DRAM round trip), scores into shared memory,
 // its softmax stats, then the V sum, merged into running (max, sum, acc) as flash-decoding
-// does. The grid depends on the batch shape only, never on the context lengths, so one CUDA
+// does. A sliding window narrows the span to the context's last `window` tokens; soft-capping
+// bends each score before the softmax. The grid depends on the batch shape only, never on the context lengths, so one CUDA
 // graph serves any lengths. With one split the block writes the output; with several each
 // writes an unnormalised partial and paged_decode_reduce merges them.
 #include "dtype.cuh"
@@ -26,6 +27,8 @@ struct DecodeArgs {
   long long q_stride, out_stride;
   int table_stride, heads, kv_heads, block_size, splits;
   float scale;
+  int window;     // > 0: only the last `window` tokens of the context (sliding-window layers)
+  float softcap;  // > 0: score = softcap * tanh(score / softcap) (Gemma 2)
 };
 
 constexpr int kPart = 512;  // tokens whose scores a block holds at once
@@ -93,9 +96,11 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
   }
   const int vpiece = lane % VL, vrow = lane / VL;
 
-  const int part = min(kPart, ((ctx + a.splits - 1) / a.splits + 15) / 16 * 16);
-  for (int start = blockIdx.z * part; start < ctx; start += a.splits * part) {
-    const int n = min(ctx - start, part);
+  const int lo = a.window > 0 ? max(0, ctx - a.window) : 0;  // first visible token
+  const int span = ctx - lo;
+  const int part = min(kPart, ((span + a.splits - 1) / a.splits + 15) / 16 * 16);
+  for (int rel = blockIdx.z * part; rel < span; rel += a.splits * part) {
+    const int start = lo + rel, n = min(span - rel, part);
     const int first = start / a.block_size, entries = (start + n - 1) / a.block_size - first + 1;
     for (int i = threadIdx.x; i < entries; i += kThreads) s_table[i] = __ldg(table + first + i);
     __syncthreads();
@@ -122,6 +127,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeArgs
           for (int j = 0; j < 8; ++j) dot = fmaf(qf[g][j], kf[j], dot);
 #pragma unroll
           for (int o = LPT / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+          if (a.softcap > 0.f) dot = a.softcap * tanhf(dot / a.softcap);
           if (piece == 0 && t < n) s_score[g][t] = dot;
         }
       }

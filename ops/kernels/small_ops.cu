@@ -90,17 +90,28 @@ struct SiluMulArgs {
   int inter;
 };
 
-// out = T(T(silu(gate)) * up), as F.silu(gate) * up rounds.
-template <class T>
-__global__ void __launch_bounds__(256) silu_mul_kernel(const SiluMulArgs a) {
+// out = T(T(act(gate)) * up) over [gate | up] rows, act in fp32.
+template <class T, class Act>
+__device__ __forceinline__ void gated_mul(const SiluMulArgs& a, Act act) {
   const T* in = static_cast<const T*>(a.gate_up);
   T* out = static_cast<T*>(a.out);
   for (long long i = blockIdx.x * 256LL + threadIdx.x; i < a.total; i += static_cast<long long>(gridDim.x) * 256) {
     const long long t = i / a.inter, c = i % a.inter;
-    const float g = DType<T>::to_float(in[t * 2 * a.inter + c]);
-    const float s = DType<T>::to_float(DType<T>::from_float(g / (1.f + __expf(-g))));
+    const float s = DType<T>::to_float(DType<T>::from_float(act(DType<T>::to_float(in[t * 2 * a.inter + c]))));
     out[i] = DType<T>::from_float(s * DType<T>::to_float(in[t * 2 * a.inter + a.inter + c]));
   }
+}
+
+// As F.silu(gate) * up rounds.
+template <class T>
+__global__ void __launch_bounds__(256) silu_mul_kernel(const SiluMulArgs a) {
+  gated_mul<T>(a, [](float g) { return g / (1.f + __expf(-g)); });
+}
+
+// As F.gelu(gate, approximate="tanh") * up rounds (Gemma's GeGLU); 0.79788... = sqrt(2 / pi).
+template <class T>
+__global__ void __launch_bounds__(256) gelu_tanh_mul_kernel(const SiluMulArgs a) {
+  gated_mul<T>(a, [](float g) { return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))); });
 }
 
 struct RopeKvArgs {

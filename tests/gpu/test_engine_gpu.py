@@ -34,12 +34,12 @@ def gpu_model(tmp_path_factory):
     return path, adapters
 
 
-def _hf_logits(path, adapter_dir, tokens, dtype):
+def _hf_logits(path, adapter_dir, tokens, dtype, attn_implementation=None):
     """HF (+ PEFT) logits [len(tokens), vocab] in fp32, teacher-forced along ``tokens``."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation).cuda()
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir).to(dtype)
     with torch.no_grad():
@@ -71,11 +71,13 @@ def test_engine_on_gpu_matches_peft(gpu_model, dtype):
                                    path, adapters, dtype, vocab=512)
 
 
-def check_mixed_batch_matches_peft(engine, path, adapters, dtype, vocab):
-    """The check above, for an engine over the checkpoint ``path`` with ``adapters`` registered."""
+def check_mixed_batch_matches_peft(engine, path, adapters, dtype, vocab, names=None, max_prompt=60,
+                                   attn_implementation=None):
+    """The check above, for an engine over the checkpoint ``path`` with ``adapters`` registered;
+    one request per entry of ``names`` (adapter or None), prompts of 4 to max_prompt tokens."""
     rng = random.Random(0)
-    jobs = [(f"g{i}", a, [rng.randrange(vocab) for _ in range(rng.randint(4, 60))])
-            for i, a in enumerate([None, *adapters, *adapters, None, "qv8", "all16"])]
+    names = names or [None, *adapters, *adapters, None, "qv8", "all16"]
+    jobs = [(f"g{i}", a, [rng.randrange(vocab) for _ in range(rng.randint(4, max_prompt))]) for i, a in enumerate(names)]
     requests = {}
     for i, (rid, a, p) in enumerate(jobs):
         req = GenerateRequest(rid, tuple(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), a)
@@ -85,11 +87,11 @@ def check_mixed_batch_matches_peft(engine, path, adapters, dtype, vocab):
     for rid, a, p in jobs:
         adapter = adapters[a] if a else None
         seq = p + tokens[rid]
-        t, within = _first_disagreement(p, tokens[rid], _hf_logits(path, adapter, seq, dtype),
-                                        _hf_logits(path, adapter, seq, torch.float32))
+        t, within = _first_disagreement(p, tokens[rid], _hf_logits(path, adapter, seq, dtype, attn_implementation),
+                                        _hf_logits(path, adapter, seq, torch.float32, attn_implementation))
         exact += t is None
         report.append((rid, a, t, within))
-    print(dtype, report)
+    print(dtype, "graphs" if engine.runner.graphs else "eager", report)
     assert all(within for *_, within in report), report
     # bf16's 8-bit mantissa makes ties common over 24 tokens: on the H200, 6 of 10 were exact
     # (every divergence within HF's own bf16 error); fp16 keeps the stricter bar.

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ops import paged_attention as pa
+from ops.paged_attention import PrefillRows
 from ops import small_ops
 from ops.norms import rms_norm
 from ops.rope import apply_rope
@@ -76,13 +77,9 @@ def test_paged_decode_matches_fp32(dtype, d, group):
         assert out[lens.index(0)].abs().max() == 0  # a padding row gives zeros
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-def test_prefill_varlen_causal_over_earlier_context(dtype):
-    """Requests with and without earlier context (chunked prefill): each new query sees its
-    request's earlier tokens and its own prefix."""
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    heads, kv_heads, d = 8, 2, 128
-    reqs = [(0, 37), (20, 50), (300, 128), (0, 2)]  # (tokens already cached, new tokens)
+def _prefill_rows(reqs, heads, kv_heads, d, dtype, gen):
+    """Random q and caches for requests (tokens already cached, new tokens): q, k, v, PrefillRows,
+    the query row offsets and each request's context slots."""
     blocks = sum(-(-(a + n) // BS) for a, n in reqs) + 3
     k, v = _cache(blocks, kv_heads, d, dtype, gen)
     tables = _tables([a + n for a, n in reqs], blocks, gen)
@@ -94,8 +91,19 @@ def test_prefill_varlen_causal_over_earlier_context(dtype):
         cu_q.append(cu_q[-1] + n)
         cu_k.append(cu_k[-1] + a + n)
     t32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
-    rows = pa.PrefillRows(cu_q[-1], t32(cu_q), t32(cu_k), torch.cat(kv_index), max(n for _, n in reqs),
-                          max(a + n for a, n in reqs))
+    rows = PrefillRows(cu_q[-1], t32(cu_q), t32(cu_k), torch.cat(kv_index), max(n for _, n in reqs),
+                       max(a + n for a, n in reqs))
+    return q, k, v, rows, cu_q, kv_index
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_prefill_varlen_causal_over_earlier_context(dtype):
+    """Requests with and without earlier context (chunked prefill): each new query sees its
+    request's earlier tokens and its own prefix."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    heads, kv_heads, d = 8, 2, 128
+    reqs = [(0, 37), (20, 50), (300, 128), (0, 2)]  # (tokens already cached, new tokens)
+    q, k, v, rows, cu_q, kv_index = _prefill_rows(reqs, heads, kv_heads, d, dtype, gen)
     out = torch.full_like(q, float("nan"))
     pa.prefill_varlen(out, q, k, v, rows, d**-0.5)
     for i, (a, n) in enumerate(reqs):
