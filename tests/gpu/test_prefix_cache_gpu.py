@@ -10,33 +10,18 @@ import torch
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.protocol import GenerateRequest, SamplingParams
-from tests.helpers import make_random_adapter, run_to_completion
+from tests.gpu.test_cuda_graphs_gpu import model_dir  # noqa: F401  (the fixture: 2 layers, 8 adapters a0..a7)
+from tests.helpers import run_to_completion
 
 pytestmark = pytest.mark.gpu
 NAMES = (None, "a0", "a1", "a2")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-                      initializer_range=0.05, tie_word_embeddings=False, eos_token_id=None)
-    path = tmp_path_factory.mktemp("prefix-llama")
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    adapters = {n: make_random_adapter(path, path / "adapters" / n, rank=16, seed=i,
-                                       targets=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
-                for i, n in enumerate(NAMES[1:])}
-    return path, adapters
-
-
 def _engine(model_dir, cache: bool):
     path, adapters = model_dir
-    cfg = EngineConfig(max_num_seqs=16, max_lora_rank=16, max_loras=4, num_kv_blocks=512, block_size=16,
+    cfg = EngineConfig(max_num_seqs=16, max_lora_rank=64, max_loras=4, num_kv_blocks=512, block_size=16,
                        dtype=torch.float16, device="cuda", max_tokens_per_step=1024, prefix_caching=cache)
-    engine = build_engine(path, cfg, {n: str(d) for n, d in adapters.items()}, tokenizer=None)
+    engine = build_engine(path, cfg, {n: str(adapters[n]) for n in NAMES[1:]}, tokenizer=None)
     assert engine.runner.graphs is not None, "the paged path with CUDA graphs must serve this test"
     return engine
 
