@@ -1,7 +1,7 @@
 """Prefix caching on one H200: a multi-tenant chat trace with the cache on and off, same run.
 
-On the device:  python benchmarks/prefix_cache.py   (about 3 minutes; writes
-                benchmarks/results/prefix_cache_h200.json and .png, or under $OUT if set)
+On the device:  python benchmarks/prefix_cache.py --out $OUT/prefix_cache_h200.json   (about 3 minutes;
+                default --out benchmarks/results/prefix_cache_h200.json; the .png lands beside it)
 Anywhere:       python benchmarks/prefix_cache.py --plot-only
 
 Llama-2-7B shape, random fp16 weights; 32 tenants, each with its own rank-16 adapter (all seven
@@ -21,7 +21,6 @@ the hit tokens per adapter name, each tenant's only from its own requests.
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import random
 import sys
@@ -117,8 +116,7 @@ def plot(data, png):
 
 def main():
     ap = argparse.ArgumentParser()
-    out_dir = pathlib.Path(os.environ.get("OUT") or pathlib.Path(__file__).parent / "results")
-    ap.add_argument("--out", type=pathlib.Path, default=out_dir / "prefix_cache_h200.json")
+    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results" / "prefix_cache_h200.json")
     ap.add_argument("--trace-s", type=float, default=30.0)
     ap.add_argument("--saturation-requests", type=int, default=96)
     ap.add_argument("--plot-only", action="store_true")
