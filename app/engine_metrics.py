@@ -7,6 +7,9 @@ adds Ray's ``ray_`` prefix, and ``_total`` / ``_bucket`` suffixes):
 
   loraplex_engine_requests_running, _requests_waiting        gauges
   loraplex_engine_kv_blocks_used, _kv_blocks_total            gauges
+  loraplex_engine_kv_blocks_free, _kv_blocks_cached           gauges (free counts unreferenced cached blocks)
+  loraplex_engine_prefix_cache_hit_tokens{adapter}            counter: prompt tokens read from the prefix cache
+  loraplex_engine_prefix_cache_query_tokens{adapter}          counter: prompt tokens of requests looked up
   loraplex_engine_batch_size, _step_seconds                   histograms, one sample per step
   loraplex_engine_time_to_first_token_seconds                 histogram (arrival at the replica → first token)
   loraplex_engine_time_per_output_token_seconds               histogram (gap between two tokens)
@@ -54,6 +57,10 @@ class AdapterLabels:
             return adapter
         return OTHER_LABEL
 
+    def of(self, adapter: str) -> str:
+        """The label ``adapter`` counts under now, without counting a request."""
+        return adapter if adapter in self.labelled else OTHER_LABEL
+
 
 class EngineMetrics:
     def __init__(self, engine, interval_s: float = 1.0, adapter_labels: int = 16):
@@ -71,6 +78,15 @@ class EngineMetrics:
         self.waiting = Gauge(name("requests_waiting"), description="Requests queued in the engine for room")
         self.kv_used = Gauge(name("kv_blocks_used"), description="KV cache blocks in use")
         self.kv_total = Gauge(name("kv_blocks_total"), description="KV cache blocks of this replica")
+        self.kv_free = Gauge(name("kv_blocks_free"), description="KV blocks free to allocate (cached unreferenced included)")
+        self.kv_cached = Gauge(name("kv_blocks_cached"), description="KV blocks holding a cached prefix")
+        self.prefix = {  # engine stats key → counter; the engine's totals are cumulative
+            "prefix_hit_tokens": RayCounter(name("prefix_cache_hit_tokens"), tag_keys=("adapter",),
+                                            description="Prompt tokens whose KV came from the prefix cache"),
+            "prefix_query_tokens": RayCounter(name("prefix_cache_query_tokens"), tag_keys=("adapter",),
+                                              description="Prompt tokens of requests looked up in the prefix cache"),
+        }
+        self._prefix_seen: dict[str, Counter] = {key: Counter() for key in self.prefix}
         self.batch = Histogram(name("batch_size"), description="Requests in each forward pass", boundaries=_BATCH_BOUNDS)
         self.step = Histogram(name("step_seconds"), description="Time of one engine step", boundaries=_STEP_BOUNDS_S)
         self.ttft = Histogram(name("time_to_first_token_seconds"), boundaries=_TTFT_BOUNDS_S,
@@ -109,7 +125,18 @@ class EngineMetrics:
         self.waiting.set(s["waiting"])
         self.kv_used.set(s["total_kv_blocks"] - s["free_kv_blocks"])
         self.kv_total.set(s["total_kv_blocks"])
+        self.kv_free.set(s["free_kv_blocks"])
+        self.kv_cached.set(s.get("cached_kv_blocks", 0))
         self._publish(self.engine.telemetry.drain())
+        self._publish_prefix(s)
+
+    def _publish_prefix(self, s: dict) -> None:
+        for key, counter in self.prefix.items():
+            seen = self._prefix_seen[key]
+            for adapter, total in s.get(key, {}).items():
+                if total > seen[adapter]:
+                    counter.inc(total - seen[adapter], tags={"adapter": self.adapters.of(adapter or BASE_MODEL_LABEL)})
+                    seen[adapter] = total
 
     def _publish(self, b: TelemetryBatch) -> None:
         for hist, values in ((self.batch, b.batch_sizes), (self.step, b.step_seconds),

@@ -112,7 +112,8 @@ class LoraReplica:
             running=s["running"], waiting=s["waiting"], max_batch=s["max_batch"], free_kv_blocks=s["free_kv_blocks"],
             total_kv_blocks=s["total_kv_blocks"], block_size=self.block_size,
             resident_adapters=tuple(s["resident_adapters"]), draining=self.draining, started_at=self.started_at,
-            reported_at=now, held=held, arrivals=arrivals, arrivals_since=now - ARRIVALS_WINDOW_S)
+            reported_at=now, held=held, arrivals=arrivals, arrivals_since=now - ARRIVALS_WINDOW_S,
+            prefix_heads=tuple(s.get("prefix_heads", ())))
 
     async def record_routing_stats(self) -> dict:
         """Serve polls this for the request router (cluster/stats.py, the routing-stats contract)."""

@@ -2,9 +2,10 @@
 
 A request goes to the replica with the *largest* current batch that still has
 room (batch below its limit and enough free KV blocks for the prompt plus a
-reserve); ties → the oldest replica (Serve's downscale stops the newest first, so
-the released replicas are the idle ones); among equals, one where the adapter is
-already resident. Replica stats are stale by up to the polling period, so the
+reserve); ties → one that recently admitted a request of the same adapter and prefix
+head (its prefix cache likely holds that prompt's KV: cluster/stats.py prefix_head), then
+the oldest replica (Serve's downscale stops the newest first, so the released replicas
+are the idle ones); among equals, one where the adapter is already resident. Replica stats are stale by up to the polling period, so the
 router counts each request on the replica it chose for it, from the moment it chose it
 until the replica's report lists the request among its arrivals (cluster/stats.py). No
 replica with room → the request waits and Serve retries it (every 10–100 ms) until one
@@ -28,7 +29,7 @@ from typing import Callable, List, Optional
 from ray.serve.metrics import Counter, Gauge, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from cluster.stats import ARRIVALS_WINDOW_S, ReplicaStats, arrival_key
+from cluster.stats import ARRIVALS_WINDOW_S, ReplicaStats, arrival_key, prefix_head
 
 log = logging.getLogger("ray.serve")
 
@@ -59,6 +60,7 @@ class Need:
     tokens: int  # prompt + resumed tokens + the next one
     key: str = ""  # arrival_key: how the replica's report names this submission
     adapter: str | None = None
+    head: str | None = None  # prefix_head of its prompt (None: too short to name one)
     avoid: frozenset[str] = frozenset()  # failed replicas: never
     migrated_from: str | None = None  # its previous replica: only if no other has room
 
@@ -84,7 +86,8 @@ def _key(v: ReplicaView, need: Need):
     batch = v.sent + (s.batch if s else 0)
     started = s.started_at if s else math.inf  # unreported = just started = newest
     resident = bool(s and need.adapter and need.adapter in s.resident_adapters)
-    return -batch, started, not resident, v.replica_id
+    warm = bool(s and need.head and need.head in s.prefix_heads)
+    return -batch, not warm, started, not resident, v.replica_id
 
 
 def rank(views: list[ReplicaView], need: Need, policy: Policy) -> list[str]:
@@ -110,7 +113,8 @@ def need_of(pending: PendingRequest | None, policy: Policy) -> Need:
         return Need(tokens=1)
     return Need(len(request.prompt_token_ids) + len(request.resume_token_ids) + 1,
                 arrival_key(request.request_id, len(request.resume_token_ids)), request.adapter,
-                frozenset(request.avoid_replicas), request.migrated_from)
+                prefix_head(request.adapter, request.prompt_token_ids), frozenset(request.avoid_replicas),
+                request.migrated_from)
 
 
 class ConsolidatingRouter(RequestRouter):

@@ -6,18 +6,32 @@ A report is read some time after it was taken, and a request the router sent sho
 before it may still be on its way through Serve. So the replica lists the requests
 that reached it in the last `ARRIVALS_WINDOW_S` (`arrivals`, by `arrival_key`): the
 router counts a request it sent on top of the report until the report lists it (then
-`held` counts it) or until it is older than the window (then it never arrived)."""
+`held` counts it) or until it is older than the window (then it never arrived).
+
+A replica also lists the prefix heads (`prefix_head`) of the requests it admitted most
+recently: their KV is likely in its prefix cache, which the router uses to break ties."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from array import array
 from dataclasses import dataclass
 
 ARRIVALS_WINDOW_S = 5.0  # how far back a report lists arrivals: far above Serve's transit time
+HEAD_TOKENS = 32  # prompt tokens that name a prefix head: a tenant's system prompt starts there
 
 
 def arrival_key(request_id: str, resumed_tokens: int) -> str:
     """One submission of a request (a migrated request arrives again with more tokens)."""
     return f"{request_id}+{resumed_tokens}"
+
+
+def prefix_head(adapter: str | None, prompt_token_ids) -> str | None:
+    """A short name for (adapter, first HEAD_TOKENS prompt tokens); None for a shorter prompt."""
+    if len(prompt_token_ids) < HEAD_TOKENS:
+        return None
+    digest = hashlib.sha256((adapter or "").encode() + b"\0" + array("q", prompt_token_ids[:HEAD_TOKENS]).tobytes())
+    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -35,6 +49,7 @@ class ReplicaStats:
     held: int  # requests inside the replica: arriving (adapter load), queued or running
     arrivals: tuple[str, ...]  # arrival_key of each request that reached it since arrivals_since
     arrivals_since: float  # reported_at - ARRIVALS_WINDOW_S
+    prefix_heads: tuple[str, ...] = ()  # prefix_head of the requests admitted most recently
 
     @property
     def batch(self) -> int:
@@ -46,6 +61,7 @@ class ReplicaStats:
         d = dataclasses.asdict(self)
         d["resident_adapters"] = list(self.resident_adapters)
         d["arrivals"] = list(self.arrivals)
+        d["prefix_heads"] = list(self.prefix_heads)
         return d
 
     @classmethod
@@ -57,6 +73,7 @@ class ReplicaStats:
         values = {k: v for k, v in d.items() if k in fields}
         values["resident_adapters"] = tuple(values.get("resident_adapters", ()))
         values["arrivals"] = tuple(values.get("arrivals", ()))
+        values["prefix_heads"] = tuple(values.get("prefix_heads", ()))
         try:
             return cls(**values)
         except TypeError:  # a report missing fields (a replica of another version): treat as unknown

@@ -7,6 +7,7 @@ import random
 from app.engine.config import EngineConfig
 from app.engine.detokenizer import Detokenizer
 from app.engine.kv_cache import BlockAllocator, allocate_kv
+from app.engine.prefix_cache import PrefixCache, model_key
 from app.engine.runner import ModelRunner
 from app.engine.sampler import SampleError
 from app.engine.scheduler import Scheduler, blocks_for
@@ -24,9 +25,10 @@ class EngineCore:
         self.config = config
         c = model.cfg
         self.max_model_len = config.max_model_len or c.max_position_embeddings
-        self.allocator = BlockAllocator(config.num_kv_blocks)
+        self.allocator = BlockAllocator(config.num_kv_blocks, config.prefix_cache_max_blocks if config.prefix_caching else 0)
         self.kv = allocate_kv(c.num_layers, config.num_kv_blocks, config.block_size, c.num_kv_heads, c.head_dim, config.dtype, config.device)
-        self.scheduler = Scheduler(config, self.allocator, model.lora_pool)
+        self.prefix = PrefixCache(self.allocator, model_key(c), config.block_size)
+        self.scheduler = Scheduler(config, self.allocator, model.lora_pool, self.prefix)
         if model.lora_pool is not None:  # a first-use kernel compile would stall a step mid-serving
             pool = model.lora_pool.config
             prepare_lora_kernels(pool.dtype, pool.max_rank, pool.device)
@@ -90,7 +92,7 @@ class EngineCore:
         if plan.scheduled:
             result = self.runner.step(plan.scheduled)
             for seq, n in plan.scheduled:
-                seq.num_computed += n
+                self.scheduler.computed(seq, n)
                 self.tokens_computed += n
             self.runner.run_ahead(result, self.scheduler)  # the GPU works on while the host samples
             tokens, logprobs = result.sample()
@@ -152,4 +154,8 @@ class EngineCore:
             "steps": self.steps,
             "max_batch_seen": self.max_batch_seen,
             "tokens_computed": self.tokens_computed,
+            "cached_kv_blocks": self.allocator.num_cached,
+            "prefix_hit_tokens": dict(self.prefix.hit_tokens),
+            "prefix_query_tokens": dict(self.prefix.query_tokens),
+            "prefix_heads": self.prefix.recent_heads(),
         }

@@ -1,5 +1,7 @@
 """Continuous batching: FCFS admission bounded by batch size, tokens per step,
-free KV blocks and adapter slots; preempt the newest request when KV runs out."""
+free KV blocks and adapter slots; preempt the newest request when KV runs out (cached
+prefix blocks count as free: they are evicted first). A request admitted with a cached
+prefix (app/engine/prefix_cache.py) starts with those blocks, its prefill after them."""
 from __future__ import annotations
 
 from collections import deque
@@ -7,6 +9,7 @@ from dataclasses import dataclass, field
 
 from app.engine.config import EngineConfig
 from app.engine.kv_cache import BlockAllocator
+from app.engine.prefix_cache import PrefixCache
 from app.engine.sequence import Sequence
 
 
@@ -22,10 +25,11 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator, pool):
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, pool, prefix: PrefixCache | None = None):
         self.config = config
         self.allocator = allocator
         self.pool = pool
+        self.prefix = prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
 
@@ -56,7 +60,7 @@ class Scheduler:
         """Return a request's KV blocks and adapter pin (finish, abort, preemption)."""
         self.allocator.free(seq.block_table)
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_published = 0
         if seq.lora_slot >= 0:
             self.pool.release((seq.adapter.name, seq.adapter.version))
             seq.lora_slot = -1
@@ -84,7 +88,9 @@ class Scheduler:
         skipped = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
-            if blocks_for(seq.num_tokens + 1, self.config.block_size) > self.allocator.num_free:
+            seq.block_table = self.prefix.match(seq) if self.prefix else []
+            if blocks_for(seq.num_tokens + 1, self.config.block_size) - len(seq.block_table) > self.allocator.num_free:
+                self._unmatch(seq)
                 self.waiting.appendleft(seq)
                 break
             try:
@@ -94,14 +100,36 @@ class Scheduler:
                 out.failed.append((seq, f"adapter {seq.adapter.name!r} could not be loaded: {exc}"))
                 continue
             if not ready:
+                self._unmatch(seq)
                 skipped.append(seq)
                 continue
+            self._start(seq)
             n = min(seq.num_uncomputed, budget)
-            seq.block_table = self.allocator.allocate(blocks_for(n, self.config.block_size))
+            seq.block_table += self.allocator.allocate(blocks_for(seq.num_computed + n, self.config.block_size)
+                                                       - len(seq.block_table))
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+
+    def _unmatch(self, seq: Sequence) -> None:
+        """Give back the cached blocks a request that stays waiting was matched with."""
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+
+    def _start(self, seq: Sequence) -> None:
+        """An admitted request's computed tokens are those of the cached blocks it starts from."""
+        hits = len(seq.block_table)
+        seq.num_computed = hits * self.config.block_size
+        seq.num_published = hits
+        if self.prefix:
+            self.prefix.admitted(seq, hits)
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """``seq``'s next n tokens have their KV written: its blocks that filled join the prefix cache."""
+        seq.num_computed += n
+        if self.prefix:
+            self.prefix.publish(seq)
 
     def _adapter_ready(self, seq: Sequence) -> bool:
         """Pin a slot for the request's adapter (starting its copy) and say whether the copy is done."""

@@ -16,6 +16,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)  # resumed tokens first, then new ones
     num_computed: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full blocks
+    num_published: int = 0  # leading blocks of block_table offered to the prefix cache
     detok: object = None
 
     def __post_init__(self):
