@@ -4,7 +4,7 @@ and every example adapter."""
 import threading
 
 import pytest
-from openai import NotFoundError, OpenAI
+from openai import NotFoundError
 
 from app.builder import build_app
 from app.config import parse_args
@@ -13,6 +13,7 @@ from app.generate import EXAMPLE_ADAPTERS, local_adapters
 from app.model.default import DEFAULT_MODEL_NAME as BASE
 from app.protocol import GenerateRequest, SamplingParams
 from tests.app_fixtures import APP, config_args, example_adapter_names, replica_stats, serving, wait_for
+from tests.error_hygiene import checked_openai
 
 ADAPTERS = example_adapter_names()
 ALL_KEY, ADMIN_KEY = "sk-test-every-adapter", "sk-test-admin-key"
@@ -37,7 +38,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return OpenAI(base_url=f"{server}/v1", api_key=ALL_KEY, max_retries=0, timeout=120)
+    return checked_openai(base_url=f"{server}/v1", api_key=ALL_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_stop_seed_and_max_completion_tokens(client):
 
 
 def test_tenants_see_only_their_adapters(server):
-    tenant = OpenAI(base_url=f"{server}/v1", api_key=TENANT_KEY, max_retries=0, timeout=60)
+    tenant = checked_openai(base_url=f"{server}/v1", api_key=TENANT_KEY, max_retries=0, timeout=60)
     assert [m.id for m in tenant.models.list().data] == [BASE, ADAPTERS[0]]
     for model in (BASE, ADAPTERS[0]):
         reply = tenant.completions.create(model=model, prompt=PROMPT, max_tokens=2)

@@ -21,7 +21,7 @@ from app.generate import EXAMPLE_ADAPTERS
 from app.model.default import DEFAULT_MODEL_NAME as BASE
 from tests.app_fixtures import (APP, FLAKY_ADAPTER, config_args, engine_with_flaky_adapter_load, example_adapter_names,
                                 replica_stats, serving, wait_for)
-from tests.error_hygiene import checked_client, leaks
+from tests.error_hygiene import checked_client, checked_openai, leaks
 
 ADAPTERS = example_adapter_names()
 VICTIMS = [BASE, *ADAPTERS][:4]
@@ -363,9 +363,9 @@ def test_registered_adapters_list_their_version_and_resolve_by_id(http):
     assert all(isinstance(a["version"], str) and len(a["version"]) >= 16 for a in listed)
     card = http.get(f"/v1/models/{ADAPTERS[0]}").json()
     assert card["id"] == ADAPTERS[0] and card["parent"] == BASE
-    from openai import NotFoundError, OpenAI
+    from openai import NotFoundError
 
-    client = OpenAI(base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = checked_openai(base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=60)
     assert client.models.retrieve(ADAPTERS[0]).id == ADAPTERS[0]
     with pytest.raises(NotFoundError):
         client.models.retrieve("no-such-model")
