@@ -5,13 +5,11 @@ one whose replica count differs (a light update: 3 → 2, the stopped replica's 
 move). Every stream ends with `[DONE]` and equals its reference, taken from the same
 server before the change (greedy, one stream at a time); a fresh request sent during each
 change succeeds."""
-import json
 import os
 import re
 import shutil
 import signal
 import subprocess
-import threading
 
 import httpx
 import pytest
@@ -19,9 +17,10 @@ import yaml
 
 from tests.app_fixtures import CONFIG, REPO, free_port, wait_for
 from tests.cluster_fixtures import make_tiny_chat_llama
+from tests.sse_client import errors, finish, start_streams
 
 STREAMS = 8
-MAX_TOKENS = 200
+MAX_TOKENS = 240  # the tiny model's context is 256
 PROMPTS = [f"Story {i}: once upon a time" for i in range(STREAMS)]
 
 
@@ -37,28 +36,8 @@ def _config(path, model, port, replicas: int, max_body_bytes: int):
     return path
 
 
-def _stream(url, prompt, out: dict):
-    body = {"model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
-    text, events = [], []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                if line[6:].startswith("{") and "choices" in line:
-                    text.append(json.loads(line[6:])["choices"][0]["text"])
-                if len(events) == 2:
-                    out["started"].set()
-    out["text"], out["events"] = "".join(text), events
-
-
-def _streams(url):
-    results = [{"started": threading.Event()} for _ in PROMPTS]
-    threads = [threading.Thread(target=_stream, args=(url, p, r), daemon=True) for p, r in zip(PROMPTS, results)]
-    for t in threads:
-        t.start()
-    for r in results:
-        assert r["started"].wait(300), "a stream never started"
-    return threads, results
+def _bodies():
+    return [{"model": "model", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0} for p in PROMPTS]
 
 
 def _deploy(path, dashboard: str):
@@ -110,10 +89,8 @@ def served(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(served):
     """The same 8 streams at once on the unchanged server (batched as in the test)."""
-    threads, results = _streams(served["url"])
-    for t in threads:
-        t.join(900)
-    assert all(r["events"][-1] == "[DONE]" for r in results)
+    results = finish(*start_streams(served["url"], _bodies()))
+    assert all(r["events"][-1:] == ["[DONE]"] and not errors(r) for r in results)
     return [r["text"] for r in results]
 
 
@@ -123,15 +100,12 @@ def test_streams_survive_a_serve_deploy(served, references, change):
     changed = (_config(root / "args.yaml", served["model"], served["port"], replicas=3, max_body_bytes=1 << 21)
                if change == "args" else
                _config(root / "replicas.yaml", served["model"], served["port"], replicas=2, max_body_bytes=1 << 21))
-    threads, results = _streams(url)
+    threads, results = start_streams(url, _bodies())
+    assert all(r["started"].wait(300) for r in results), "a stream never started"
     _deploy(changed, served["dashboard"])
     fresh = httpx.post(f"{url}/v1/completions", json={"model": "model", "prompt": "Hello", "max_tokens": 4},
                        timeout=600)  # sent while Serve applies the change
     assert fresh.status_code == 200, fresh.text
-    for t in threads:
-        t.join(900)
-    for r, expected in zip(results, references):
-        assert r["events"][-1] == "[DONE]"
-        errors = [e for e in r["events"] if e.startswith("{") and '"error"' in e]
-        assert not errors, errors
+    for r, expected in zip(finish(threads, results), references):
+        assert r["events"][-1:] == ["[DONE]"] and not errors(r), r["events"][-3:]
         assert r["text"] == expected

@@ -4,8 +4,7 @@ the head as the shipped config places them, one LoraReplica on each worker. With
 streams running, the worker holding the replica that serves them is removed; every
 stream ends with `[DONE]` and equals the same stream on the intact cluster, and a new
 request right after succeeds."""
-import json
-import threading
+import functools
 
 import httpx
 import pytest
@@ -15,8 +14,8 @@ from ray.cluster_utils import Cluster
 
 from app.builder import app_from_args
 from tests.app_fixtures import APP, config_args, free_port, wait_for
-from tests.cluster_fixtures import make_tiny_chat_llama, replica_actor, replica_ids, replica_report
-from tests.fault_app import slowed_engine
+from tests.cluster_fixtures import make_tiny_chat_llama, replica_actor, replica_ids, replica_report, slowed_engine
+from tests.sse_client import errors, finish, start_streams
 
 STREAMS = 8
 MAX_TOKENS = 120
@@ -24,25 +23,8 @@ PROMPTS = [f"Chapter {i}: the ship left port" for i in range(STREAMS)]
 SLOT = "replica_slot"  # a resource only the workers have: the replicas go there
 
 
-def _stream(url, prompt, out):
-    body = {"model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
-    text, events = [], []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                if line[6:].startswith("{") and "choices" in line:
-                    text.append(json.loads(line[6:])["choices"][0]["text"])
-                    out["started"].set()
-    out["text"], out["events"] = "".join(text), events
-
-
-def _run_streams(url):
-    results = [{"started": threading.Event()} for _ in PROMPTS]
-    threads = [threading.Thread(target=_stream, args=(url, p, r), daemon=True) for p, r in zip(PROMPTS, results)]
-    for t in threads:
-        t.start()
-    return threads, results
+def _bodies():
+    return [{"model": "model", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0} for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +39,7 @@ def cluster(tmp_path_factory):
         args = config_args(model=str(model), max_model_len=256, adapter_dirs=[], max_batch_size=STREAMS,
                            replica={"num_replicas": 2, "ray_actor_options": {"num_cpus": 0, "resources": {SLOT: 1}}},
                            cluster={"failover_wait_s": 120})
-        serve.run(app_from_args(args, engine_factory=slowed_engine), name=APP, route_prefix="/")
+        serve.run(app_from_args(args, engine_factory=functools.partial(slowed_engine, delay_s=0.1)), name=APP, route_prefix="/")
         yield {"cluster": cluster, "workers": workers, "url": f"http://127.0.0.1:{port}"}
     finally:
         serve.shutdown()
@@ -72,12 +54,10 @@ def _node_of(replica_id):
 
 def test_a_worker_lost_mid_stream_loses_no_stream(cluster):
     url = cluster["url"]
-    threads, references = _run_streams(url)
-    for t in threads:
-        t.join(600)
-    assert all(r["events"][-1] == "[DONE]" for r in references)
+    references = finish(*start_streams(url, _bodies()))
+    assert all(r["events"][-1:] == ["[DONE]"] and not errors(r) for r in references)
 
-    threads, results = _run_streams(url)
+    threads, results = start_streams(url, _bodies())
     assert all(r["started"].wait(300) for r in results)
     busy = wait_for(lambda: [rid for rid in replica_ids(APP) if replica_report(APP, rid).running > 0], timeout=60)
     assert busy, "no replica is running the streams"
@@ -85,11 +65,8 @@ def test_a_worker_lost_mid_stream_loses_no_stream(cluster):
     worker = next(w for w in cluster["workers"] if w.node_id == node)  # never the head: replicas need SLOT
     cluster["cluster"].remove_node(worker)
 
-    for t in threads:
-        t.join(600)
-    for r, ref in zip(results, references):
-        assert r["events"][-1] == "[DONE]"
-        assert not [e for e in r["events"] if '"error"' in e]
+    for r, ref in zip(finish(threads, results), references):
+        assert r["events"][-1:] == ["[DONE]"] and not errors(r), r["events"][-3:]
         assert r["text"] == ref["text"]
     fresh = httpx.post(f"{url}/v1/completions", json={"model": "model", "prompt": "Hello", "max_tokens": 4}, timeout=300)
     assert fresh.status_code == 200, fresh.text
