@@ -25,14 +25,14 @@ MAX_TOKENS = 12
 pytestmark = pytest.mark.skipif(len(ADAPTERS) < 2, reason="needs the example adapters in examples/adapters/")
 
 
-def _args() -> dict:
+def _args(tmp_root) -> dict:
     keys = [{"key": ALL_KEY}, {"key": TENANT_KEY, "adapters": ADAPTERS[:1]}]
-    return config_args(api_keys=keys, admin_key=ADMIN_KEY)
+    return config_args(api_keys=keys, admin_key=ADMIN_KEY, adapter_roots=[str(EXAMPLE_ADAPTERS), str(tmp_root)])
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serving({APP: (build_app(_args()), "/")}) as url:
+def server(tmp_path_factory):
+    with serving({APP: (build_app(_args(tmp_path_factory.getbasetemp())), "/")}) as url:
         yield url
 
 
@@ -44,7 +44,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def reference():
     """The engine itself, in this process: what the server must answer for greedy requests."""
-    settings = parse_args(_args(), BASE)
+    settings = parse_args(_args(EXAMPLE_ADAPTERS), BASE)
     core = build_engine(None, settings.engine, local_adapters(EXAMPLE_ADAPTERS))
     tok = core.tokenizer
     chat_ids = tok(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False),

@@ -36,7 +36,8 @@ pytestmark = pytest.mark.skipif(len(ADAPTERS) < 3, reason="needs the example ada
 
 @pytest.fixture(scope="module")
 def args(tmp_path_factory) -> dict:
-    return config_args(registry_path=str(tmp_path_factory.mktemp("registry") / "adapters.json"))
+    return config_args(registry_path=str(tmp_path_factory.mktemp("registry") / "adapters.json"),
+                       adapter_roots=[str(EXAMPLE_ADAPTERS), str(tmp_path_factory.getbasetemp())])  # the tests' adapters
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +221,7 @@ def _cases(http, dirs) -> dict:
         "overflowing-adapter": (_stream_error(OVERFLOWING)[0], lambda error: error is None or error["code"] == "engine_error"),
         "adapter-failing-to-load-mid-batch": _stream_error(FLAKY_ADAPTER, "could not be loaded", FLAKY_ADAPTER),
         "adapter-without-config": (_post(ADMIN, json={"name": "empty", "path": str(dirs["empty"])}),
-                                   _client_error(400, "adapter_config.json")),
+                                   _client_error(400, "adapter_roots")),  # the same answer as for no directory
         "path-of-10000-chars": (_post(ADMIN, json={"name": "long", "path": "/" + "a" * 10000}), _client_error(400)),
         "10000-stop-strings": (_post(COMPLETIONS, json=_completion(stop=["x"] * 10000)), _client_error(400, "stop")),
         "10-mb-body": (_post(CHATS, content=json.dumps({"model": BASE, "messages": [
