@@ -115,3 +115,21 @@ def test_a_tenant_is_told_which_adapter_failed_never_where_it_lives(tmp_path):
     assert response.status_code == 503 and body["message"] == "adapter 'pirate2' is unavailable"
     assert not leaks(response.body.decode())
     assert answer(AdapterNotFoundError(f"adapter directory {gone} does not exist")).status_code == 404  # unnamed: as before
+
+
+def test_build_app_refuses_a_public_bind_without_an_admin_key(monkeypatch, roots):
+    import app.builder
+
+    root, _, _ = roots
+    monkeypatch.setattr(app.builder, "serve_bind_host", lambda: "0.0.0.0")  # what Serve's controller would report
+    with pytest.raises(ConfigError, match="http_options.host is '0.0.0.0'"):
+        app.builder.app_from_args({"adapter_dirs": [str(root)]})
+
+
+def test_an_adapter_whose_directory_is_gone_is_listed_unavailable(tmp_path):
+    from app.admin import spec_json
+
+    here = _adapter(tmp_path / "here")
+    assert spec_json(AdapterSpec("here", str(here), 0, "v"))["available"] is True
+    assert spec_json(AdapterSpec("gone", str(tmp_path / "gone"), 0, "v"))["available"] is False
+    assert spec_json(AdapterSpec("remote", "s3://b/a/", 0, "v"))["available"] is None  # not probed
