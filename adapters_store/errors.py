@@ -16,7 +16,11 @@ class LoraplexError(Exception):
 
 
 class AdapterError(LoraplexError):
-    """Any failure to resolve or load an adapter."""
+    """Any failure to resolve or load an adapter. Its message may name where the adapter
+    lives (for the log and the admin); ``adapter``, set by the store on a failed load,
+    names it for a tenant who asked for it by name."""
+
+    adapter: str | None = None
 
 
 class AdapterNotFoundError(AdapterError):

@@ -16,12 +16,13 @@ import itertools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
 from adapters_store.disk_cache import DiskCache, DiskCacheConfig
-from adapters_store.errors import AdapterFetchError, AdapterNotFoundError, InvalidAdapterError, SourceChangedError
+from adapters_store.errors import AdapterError, AdapterFetchError, AdapterNotFoundError, InvalidAdapterError, SourceChangedError
 from adapters_store.host_cache import HostCache, HostCacheConfig
 from adapters_store.manifest import parse_manifest
 from adapters_store.metrics import StoreMetrics
@@ -121,10 +122,12 @@ class AdapterStore:
         return self._flights.submit((name, gen), partial(self._load, name, gen, location))
 
     def get(self, name: str, timeout: float | None = None) -> LoraWeights:
-        return self.prefetch(name).result(timeout)
+        with _named(name):
+            return self.prefetch(name).result(timeout)
 
     async def aget(self, name: str) -> LoraWeights:
-        return await asyncio.wrap_future(self.prefetch(name))
+        with _named(name):
+            return await asyncio.wrap_future(self.prefetch(name))
 
     def stats(self) -> dict:
         return {"registered": len(self._uris), "host_entries": len(self.host), "host_bytes": self.host.nbytes,
@@ -224,3 +227,13 @@ class AdapterStore:
         except AdapterFetchError:
             self.metrics.error(AdapterFetchError.__name__)  # one counter for every kind of transient failure
             raise
+
+
+@contextmanager
+def _named(name: str):
+    """A load's failure names the adapter it was for (what a tenant is told instead of its location)."""
+    try:
+        yield
+    except AdapterError as exc:
+        exc.adapter = name
+        raise

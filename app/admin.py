@@ -1,9 +1,16 @@
 """Adapter administration behind the admin routes: register a PEFT directory (or an
 s3:// URI), list, unregister. A new adapter is loaded by one replica first (that
 validates it: a bad adapter is a 400 and never enters the registry); the others load
-it from its spec on their first request for it (see app/registry.py)."""
+it from its spec on their first request for it (see app/registry.py).
+
+A registration must lie inside one of `adapter_roots`: a local path is resolved first
+(symlinks followed, `..` collapsed) and must be a directory holding adapter_config.json
+under a root; what is registered is that resolved path. Every local path that fails this
+(outside the roots, missing, a file, unreadable) gets the same answer, so the route tells
+a caller nothing about the server's filesystem."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,7 +21,8 @@ from app.http_errors import loraplex_cause
 from app.registry import AdapterSpec
 
 
-_MAX_PATH, _MAX_PART = 4096, 255  # Linux's PATH_MAX and NAME_MAX: longer fails in the OS (ENAMETOOLONG)
+_MAX_PATH = 4096  # Linux's PATH_MAX: longer fails in the OS (ENAMETOOLONG)
+OUTSIDE_ROOTS = "path: not an adapter directory inside the server's adapter_roots"
 
 
 class RegisterAdapter(BaseModel):
@@ -24,26 +32,43 @@ class RegisterAdapter(BaseModel):
 
 
 def spec_json(spec: AdapterSpec) -> dict:
-    return {"name": spec.name, "path": spec.path, "version": spec.version}
+    """available: false for a local directory that is gone (restored from registry_path, say):
+    tenants asking for it are told it is unavailable."""
+    available = None if spec.path.startswith("s3://") else os.path.isdir(spec.path)
+    return {"name": spec.name, "path": spec.path, "version": spec.version, "available": available}
 
 
-def _check_path(path: str) -> str:
-    """The adapter's location as the replicas read it; InvalidAdapterError for one they cannot."""
+def _outside() -> InvalidAdapterError:
+    return InvalidAdapterError(OUTSIDE_ROOTS)
+
+
+def check_path(path: str, roots: tuple[str, ...]) -> str:
+    """The adapter's location as registered (a local path resolved), if inside one of roots;
+    else InvalidAdapterError(OUTSIDE_ROOTS), whatever the reason."""
     if path.startswith("s3://"):
+        if not any(path.startswith(r if r.endswith("/") else r + "/") for r in roots
+                   if r.startswith("s3://")):
+            raise _outside()
         return path
-    if "\0" in path or any(len(part.encode()) > _MAX_PART for part in path.split("/")):
-        raise InvalidAdapterError(f"adapter path has a component longer than {_MAX_PART} bytes or a NUL byte")
-    uri = str(Path(path).expanduser())
-    if not Path(uri).is_absolute():  # replicas run elsewhere
-        raise InvalidAdapterError(f"adapter path must be absolute (or s3://), got {path!r}")
-    return uri
+    if "\0" in path or not os.path.isabs(path):  # replicas run elsewhere: no working directory to be relative to
+        raise _outside()
+    try:
+        real = Path(os.path.realpath(path, strict=True))
+        is_adapter = real.is_dir() and (real / "adapter_config.json").is_file()
+    except (OSError, ValueError):  # missing, a loop, too long, unreadable
+        raise _outside() from None
+    if not is_adapter or not any(real.is_relative_to(r) for r in roots if not r.startswith("s3://")):
+        raise _outside()
+    return str(real)
 
 
 class AdapterAdmin:
-    def __init__(self, base_name: str, replica, registry):
+    def __init__(self, base_name: str, replica, registry, roots: tuple[str, ...] = ("s3://",)):
+        """roots: Settings.adapter_roots (resolved local directories and s3:// prefixes)."""
         self.base_name = base_name
         self.replica = replica
         self.registry = registry
+        self.roots = roots
 
     async def list(self) -> dict:
         specs, _ = await self.registry.list.remote()
@@ -52,18 +77,19 @@ class AdapterAdmin:
     async def register(self, body: RegisterAdapter) -> dict:
         if body.name == self.base_name:
             raise InvalidRequestError(f"{body.name!r} is the base model's name")
-        uri = _check_path(body.path)
+        uri = check_path(body.path, self.roots)
+        local = not uri.startswith("s3://")
         try:
             version = await self.replica.load_adapter.remote(body.name, uri)  # InvalidAdapterError if bad
         except Exception as exc:  # a RayTaskError: its str() is the replica's traceback, never shown
             cause = loraplex_cause(exc)
             if cause is None and isinstance(getattr(exc, "cause", None), OSError):  # unreadable, not a bug
-                raise InvalidAdapterError(f"cannot read an adapter at {body.path!r}: {exc.cause.strerror}") from None
+                raise _outside() if local else InvalidAdapterError(f"cannot read the adapter: {exc.cause.strerror}") from None
             if cause is None:
                 raise
-            if isinstance(cause, AdapterNotFoundError):  # nothing at that path: a bad request here, not a 404
-                raise InvalidAdapterError(str(cause)) from None
-            raise cause from None
+            if isinstance(cause, AdapterNotFoundError):  # gone since the check, or no S3 object: a 400 here
+                raise _outside() if local else InvalidAdapterError(str(cause)) from None
+            raise type(cause)(*cause.args) from None  # the admin sees the reason in full (see http_errors)
         return spec_json(await self.registry.put.remote(body.name, uri, version))
 
     async def unregister(self, name: str) -> dict:

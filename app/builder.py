@@ -11,6 +11,7 @@ from typing import Callable
 
 from ray.serve import Application
 
+from app.auth import check_bind, serve_bind_host
 from app.config import parse_args
 from app.ingress import Ingress
 from app.model.default import DEFAULT_MODEL_NAME
@@ -27,6 +28,7 @@ def build_app(args: dict) -> Application:
 def app_from_args(args: dict | None, engine_factory: Callable = build_async_engine) -> Application:
     """engine_factory(ReplicaSettings) → AsyncEngine: the seam tests use to swap the engine."""
     settings = parse_args(args, DEFAULT_MODEL_NAME)
+    check_bind(serve_bind_host(), settings.admin_key)  # `serve run`/`serve deploy`: Serve is up by now
     if settings.model is None:
         _warm_default_model()
     else:

@@ -42,6 +42,10 @@ class DeploymentArgs(_Strict):
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: int | None = Field(None, ge=1)
     ray_actor_options: dict[str, Any] | None = None
+    # A replica being replaced (a scale-down, a redeploy) is killed this long after it stopped taking
+    # requests: sized for the longest generation, so a stream it relays or runs ends on its own.
+    graceful_shutdown_timeout_s: float | None = Field(None, ge=0)
+    graceful_shutdown_wait_loop_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _one_scaling_mode(self):
@@ -83,6 +87,7 @@ class AppArgs(_Strict):
     tensor_parallel_size: int = Field(1, ge=1)  # GPUs one replica's model is sharded over
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start-up (false: eager, for debugging)
     adapter_dirs: list[str] = []
+    adapter_roots: list[str] | None = None  # where registrations may point; None: adapter_dirs and s3://
     replica: DeploymentArgs = DeploymentArgs()
     ingress: DeploymentArgs = DeploymentArgs()
     cluster: ClusterArgs = ClusterArgs()
@@ -114,6 +119,7 @@ class Settings:
     registry_path: str | None = None
     max_migrations: int = 8
     failover_wait_s: float = 60.0
+    adapter_roots: tuple[str, ...] = ("s3://",)
 
 
 def _describe(error: ValidationError) -> str:
@@ -124,12 +130,30 @@ def _describe(error: ValidationError) -> str:
     return "invalid serve_config.yaml args:\n" + "\n".join(lines)
 
 
-def _adapter_dirs(dirs: list[str]) -> tuple[str, ...]:
+# Long enough for a max_model_len generation at a slow decode (8192 tokens at 70 ms); Serve's own default
+# (20 s) cut streams that an Ingress or LoraReplica being replaced was still serving.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 600.0
+GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 1.0
+_GRACEFUL = {"graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
+             "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
+
+
+def _adapter_roots(roots: list[str] | None, dirs: tuple[str, ...]) -> tuple[str, ...]:
+    """Local roots resolved (symlinks followed) like adapter_dirs; s3:// prefixes as given.
+    The default: every adapter_dir, and any s3:// location the replicas' credentials reach."""
+    if roots is None:
+        return (*dirs, "s3://")
+    local = [r for r in roots if not r.startswith("s3://")]
+    resolved = iter(_adapter_dirs(local, "adapter_roots"))
+    return tuple(r if r.startswith("s3://") else next(resolved) for r in roots)
+
+
+def _adapter_dirs(dirs: list[str], field: str = "adapter_dirs") -> tuple[str, ...]:
     resolved = []
     for i, d in enumerate(dirs):
         path = Path(d).expanduser().resolve()  # relative to where `serve run` was started
         if not path.is_dir():
-            raise ConfigError(f"invalid serve_config.yaml args:\n  adapter_dirs.{i}: no directory {str(path)!r}")
+            raise ConfigError(f"invalid serve_config.yaml args:\n  {field}.{i}: no directory {str(path)!r}")
         resolved.append(str(path))
     return tuple(resolved)
 
@@ -169,7 +193,7 @@ _REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 def _replica_options(replica: DeploymentArgs, max_ongoing: int, cluster: ClusterArgs, engine: EngineConfig) -> dict:
     """LoraReplica's Serve options; an autoscaling config gets the consolidation-aware
     policy unless it names its own (cluster/autoscaling.py)."""
-    options = replica.options(num_replicas=1, max_ongoing_requests=max_ongoing)
+    options = replica.options(num_replicas=1, max_ongoing_requests=max_ongoing, **_GRACEFUL)
     options.update(cluster_options(cluster, engine))
     actor = dict(options.get("ray_actor_options") or {})
     runtime_env = dict(actor.get("runtime_env") or {})
@@ -194,14 +218,16 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         cuda_graphs=a.cuda_graphs,
     )
     name = a.model_name or (Path(a.model).name if a.model else default_model_name)
+    dirs = _adapter_dirs(a.adapter_dirs)
     keys = tuple(ApiKey(k.key, frozenset(k.adapters) if k.adapters is not None else None) for k in a.api_keys)
     return Settings(
-        model=a.model, model_name=name, engine=engine, adapter_dirs=_adapter_dirs(a.adapter_dirs), api_keys=keys,
+        model=a.model, model_name=name, engine=engine, adapter_dirs=dirs, api_keys=keys,
         admin_key=a.admin_key,
         # The engine batches many requests: Serve's default of 5 in flight per replica would starve it.
         replica_options=tensor_parallel_options(_replica_options(a.replica, 4 * a.max_batch_size, a.cluster, engine),
                                                 a.tensor_parallel_size, a.device),
-        ingress_options=a.ingress.options(num_replicas=1, max_ongoing_requests=1024),
+        ingress_options=a.ingress.options(num_replicas=1, max_ongoing_requests=1024, **_GRACEFUL),
         max_body_bytes=a.max_body_bytes, registry_path=a.registry_path,
         max_migrations=a.cluster.max_migrations, failover_wait_s=a.cluster.failover_wait_s,
+        adapter_roots=_adapter_roots(a.adapter_roots, dirs),
     )

@@ -110,15 +110,27 @@ def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
     return error_response(str(exc.detail), exc.status_code, None)
 
 
+def answer(exc: LoraplexError) -> JSONResponse:
+    """The error as the client sees it. An adapter that failed to load for a request names
+    only the adapter: where it lives (a server path, a bucket) and why go to the log."""
+    name = getattr(exc, "adapter", None)
+    if not isinstance(exc, AdapterError) or name is None:
+        return error_response(str(exc), *status_and_code(exc))
+    log.warning("adapter %r is unavailable: %s: %s", name, type(exc).__name__, exc)
+    status, code = status_and_code(exc)
+    if isinstance(exc, AdapterNotFoundError):  # registered, but its files are gone: the server's fault
+        status, code = 503, "adapter_unavailable"
+    return error_response(f"adapter {name!r} is unavailable", status, code)
+
+
 def _loraplex_error(_: Request, exc: LoraplexError) -> JSONResponse:
-    exc = loraplex_cause(exc) or exc
-    return error_response(str(exc), *status_and_code(exc))
+    return answer(loraplex_cause(exc) or exc)
 
 
 def _any_error(_: Request, exc: Exception) -> JSONResponse:
     cause = loraplex_cause(exc)
     if cause is not None:
-        return error_response(str(cause), *status_and_code(cause))
+        return answer(cause)
     log.exception("unhandled error", exc_info=exc)
     return error_response("internal server error", 500, "internal_error")
 

@@ -22,7 +22,7 @@ from transformers import AutoConfig
 
 from app import http_errors
 from app.admin import AdapterAdmin, RegisterAdapter
-from app.auth import Auth, Caller
+from app.auth import Auth, Caller, is_loopback, serve_bind_host
 from app.client_stream import (MigrationPolicy, ResubmittingStream, collect, replica_submit, sse_events,
                                with_fixed_seed)
 from app.config import Settings
@@ -57,14 +57,15 @@ class Ingress:
         self.tokenizer, model_len = _load_model_files(settings.model)
         kv_tokens = settings.engine.num_kv_blocks * settings.engine.block_size
         self.context_limit = min(settings.engine.max_model_len or model_len, kv_tokens)
-        self.auth = Auth(settings.api_keys, settings.admin_key)
+        host = serve_bind_host()
+        self.auth = Auth(settings.api_keys, settings.admin_key, loopback=host is None or is_loopback(host))
         self.generate_on_replica = replica.options(stream=True).generate
         self.migration = MigrationPolicy(settings.max_migrations, settings.failover_wait_s)
         self.replica = replica
         self._prepare_pool = ThreadPoolExecutor(_PREPARE_THREADS, thread_name_prefix="prepare")
         self._local = threading.local()  # one tokenizer per pool thread: HF tokenizers are not re-entrant
         self.registry = registry
-        self.admin = AdapterAdmin(settings.model_name, replica, registry)
+        self.admin = AdapterAdmin(settings.model_name, replica, registry, settings.adapter_roots)
         self.started = int(time.time())
 
     # -- inference ----------------------------------------------------------------

@@ -42,7 +42,10 @@ def scan(dirs) -> list[AdapterSpec]:
     return [AdapterSpec(name, path, 0, LocalSource(Path(path)).snapshot().version) for name, path in sorted(found.items())]
 
 
-@serve.deployment(name="AdapterRegistry", num_replicas=1, ray_actor_options={"num_cpus": 0})
+# On the head node, beside the proxy and (in the shipped configs) the Ingress: losing a worker never
+# restarts it (its state is in memory unless registry_path is set).
+@serve.deployment(name="AdapterRegistry", num_replicas=1,
+                  ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}})
 class AdapterRegistry:
     def __init__(self, initial: list[AdapterSpec], location: str | None = None):
         """location: registry_path (None: in memory only)."""

@@ -55,9 +55,15 @@ class S3Object:
 
     def _s3(self):
         if self._client is None:
+            from botocore.handlers import add_expect_header
+
             from adapters_store.s3_source import S3Config, make_client
 
             self._client = make_client(S3Config())
+            # No `Expect: 100-continue` on the PUT (a few hundred bytes): a server may answer it twice
+            # (moto's does), and botocore then reads the second answer as the PUT's and closes the
+            # connection (ConnectionClosedError).
+            self._client.meta.events.unregister("before-call.s3", add_expect_header)
         return self._client
 
     def load(self) -> dict | None:

@@ -19,9 +19,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def config_args(**overrides) -> dict:
-    """The `args:` of serve_config.yaml's application, with overrides on top."""
+    """The `args:` of serve_config.yaml's application, with overrides on top; runtime
+    registrations in memory unless `registry_path` is given (the shipped file is the user's)."""
     config = yaml.safe_load(CONFIG.read_text())
-    return {**copy.deepcopy(config["applications"][0]["args"]), **overrides}
+    return {**copy.deepcopy(config["applications"][0]["args"]), "registry_path": None, **overrides}
 
 
 def free_port() -> int:

@@ -30,15 +30,15 @@ def make_tiny_chat_llama(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def slowed_engine(settings):
-    """The real engine, each step STEP_DELAY_S slower (a GPU-sized step on a tiny CPU model)."""
+def slowed_engine(settings, delay_s: float = STEP_DELAY_S):
+    """The real engine, each step delay_s slower (a GPU-sized step on a tiny CPU model)."""
     from app.replica import build_async_engine
 
     engine = build_async_engine(settings)
     step = engine.core.step
 
     def slow_step():
-        time.sleep(STEP_DELAY_S)
+        time.sleep(delay_s)
         return step()
 
     engine.core.step = slow_step

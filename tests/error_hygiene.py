@@ -1,6 +1,7 @@
 """What no error body may hold: a traceback, an ANSI escape, an IP address, or a
 filesystem path the client did not send itself. Used on every error case of the app
-tests (also through `checked_client`, an httpx client that checks each error it gets)."""
+tests (also through `checked_client`, an httpx client that checks each error it gets, and
+`checked_openai`, the official `openai` client on top of it)."""
 from __future__ import annotations
 
 import json
@@ -50,3 +51,10 @@ def _check(response: httpx.Response) -> None:
 def checked_client(**kwargs) -> httpx.Client:
     """An httpx.Client whose every error response is checked with assert_clean_error."""
     return httpx.Client(event_hooks={"response": [_check]}, **kwargs)
+
+
+def checked_openai(**kwargs):
+    """The official `openai` client (OpenAI(**kwargs)) whose every error response is checked."""
+    from openai import OpenAI
+
+    return OpenAI(http_client=checked_client(), **kwargs)

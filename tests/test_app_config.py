@@ -88,3 +88,23 @@ def test_sampling_defaults_and_limits():
 def test_unsupported_or_mistyped_fields_are_rejected(body):
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate(body)
+
+
+def test_the_shipped_configs_keep_streams_and_registrations():
+    """Durable registry, Ingress and proxy on the head node, graceful shutdown sized for long
+    generations, replica counts as `deployments:` overrides (a light update; docs/faults.md)."""
+    for name in ("serve_config.yaml", "serve_config_gpu.yaml"):
+        config = yaml.safe_load((REPO / name).read_text())
+        app = config["applications"][0]
+        settings = parse_args(app["args"], "base")
+        assert config["proxy_location"] == "HeadOnly"
+        assert settings.registry_path == "~/.cache/loraplex/registry.json"
+        assert settings.ingress_options["ray_actor_options"]["resources"] == {"node:__internal_head__": 0.001}
+        for options in (settings.ingress_options, settings.replica_options):
+            assert options["graceful_shutdown_timeout_s"] >= 600 and options["graceful_shutdown_wait_loop_s"] <= 1
+        assert "Ingress" in {d["name"] for d in app["deployments"]}
+    cpu = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"][0]
+    assert "num_replicas" not in cpu["args"]["replica"]
+    assert {d["name"]: d["num_replicas"] for d in cpu["deployments"]} == {"LoraReplica": 1, "Ingress": 1}
+    tight = parse_args({"replica": {"graceful_shutdown_timeout_s": 30}}, "base")
+    assert tight.replica_options["graceful_shutdown_timeout_s"] == 30

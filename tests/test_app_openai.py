@@ -4,7 +4,7 @@ and every example adapter."""
 import threading
 
 import pytest
-from openai import NotFoundError, OpenAI
+from openai import NotFoundError
 
 from app.builder import build_app
 from app.config import parse_args
@@ -13,6 +13,7 @@ from app.generate import EXAMPLE_ADAPTERS, local_adapters
 from app.model.default import DEFAULT_MODEL_NAME as BASE
 from app.protocol import GenerateRequest, SamplingParams
 from tests.app_fixtures import APP, config_args, example_adapter_names, replica_stats, serving, wait_for
+from tests.error_hygiene import checked_openai
 
 ADAPTERS = example_adapter_names()
 ALL_KEY, ADMIN_KEY = "sk-test-every-adapter", "sk-test-admin-key"
@@ -24,26 +25,26 @@ MAX_TOKENS = 12
 pytestmark = pytest.mark.skipif(len(ADAPTERS) < 2, reason="needs the example adapters in examples/adapters/")
 
 
-def _args() -> dict:
+def _args(tmp_root) -> dict:
     keys = [{"key": ALL_KEY}, {"key": TENANT_KEY, "adapters": ADAPTERS[:1]}]
-    return config_args(api_keys=keys, admin_key=ADMIN_KEY)
+    return config_args(api_keys=keys, admin_key=ADMIN_KEY, adapter_roots=[str(EXAMPLE_ADAPTERS), str(tmp_root)])
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serving({APP: (build_app(_args()), "/")}) as url:
+def server(tmp_path_factory):
+    with serving({APP: (build_app(_args(tmp_path_factory.getbasetemp())), "/")}) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return OpenAI(base_url=f"{server}/v1", api_key=ALL_KEY, max_retries=0, timeout=120)
+    return checked_openai(base_url=f"{server}/v1", api_key=ALL_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def reference():
     """The engine itself, in this process: what the server must answer for greedy requests."""
-    settings = parse_args(_args(), BASE)
+    settings = parse_args(_args(EXAMPLE_ADAPTERS), BASE)
     core = build_engine(None, settings.engine, local_adapters(EXAMPLE_ADAPTERS))
     tok = core.tokenizer
     chat_ids = tok(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False),
@@ -139,7 +140,7 @@ def test_stop_seed_and_max_completion_tokens(client):
 
 
 def test_tenants_see_only_their_adapters(server):
-    tenant = OpenAI(base_url=f"{server}/v1", api_key=TENANT_KEY, max_retries=0, timeout=60)
+    tenant = checked_openai(base_url=f"{server}/v1", api_key=TENANT_KEY, max_retries=0, timeout=60)
     assert [m.id for m in tenant.models.list().data] == [BASE, ADAPTERS[0]]
     for model in (BASE, ADAPTERS[0]):
         reply = tenant.completions.create(model=model, prompt=PROMPT, max_tokens=2)

@@ -5,13 +5,12 @@ re-uploaded adapter is served with its new weights once re-registered, never the
 import os
 
 import pytest
-from openai import OpenAI
 
 from app.builder import build_app
 from app.generate import EXAMPLE_ADAPTERS
 from app.model.default import DEFAULT_MODEL_NAME as BASE
 from tests.app_fixtures import APP, config_args, example_adapter_names, serving
-from tests.error_hygiene import checked_client
+from tests.error_hygiene import checked_client, checked_openai
 
 pytest_plugins = ["tests.s3_fixtures"]
 
@@ -41,7 +40,7 @@ def server(s3):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+    return checked_openai(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

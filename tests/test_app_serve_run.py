@@ -9,10 +9,10 @@ import subprocess
 import httpx
 import pytest
 import yaml
-from openai import OpenAI
 
 from app.model.default import DEFAULT_MODEL_NAME as BASE
 from tests.app_fixtures import CONFIG, REPO, example_adapter_names, wait_for
+from tests.error_hygiene import checked_openai
 
 COMMAND = "serve run serve_config.yaml"
 
@@ -58,7 +58,7 @@ def test_readme_run_command_serves_and_stops(served):
                   timeout=420, interval=1)
     assert up and _healthy(url), log.read_text()[-5000:]
 
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = checked_openai(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     models = [m.id for m in client.models.list().data]
     assert models == [BASE, *example_adapter_names()]
     for model in models:

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import ray
-from openai import OpenAI
 
 from app.builder import app_from_args
 from app.engine.config import EngineConfig
@@ -22,6 +21,7 @@ from tests.app_fixtures import config_args, serving, wait_for
 from tests.cluster_fixtures import (deploy_replicas, make_tiny_chat_llama, replica_actor, replica_ids, replica_report,
                                     scale, slowed_engine)
 from tests.helpers import make_random_adapter
+from tests.error_hygiene import checked_openai
 
 ADAPTERS = ("a1", "a2")
 POLICY = MigrationPolicy(max_migrations=32, failover_wait_s=60)
@@ -203,7 +203,7 @@ def test_forced_migrations_are_invisible_to_clients_and_bounded(cluster):
 def test_openai_clients_see_one_stream_through_migrations(cluster):
     """Streaming and not, logprobs and stop strings, over HTTP while the cluster is loaded."""
     rng = random.Random(11)
-    client = OpenAI(base_url=cluster["url"] + "/move/v1", api_key="none", max_retries=0, timeout=120)
+    client = checked_openai(base_url=cluster["url"] + "/move/v1", api_key="none", max_retries=0, timeout=120)
     reference = Reference(cluster["model"], cluster["adapters"], block_size=4)
     load = _requests(16, rng, prompt_len=(3, 6), max_tokens=(16, 30), prefix="bg")
     cases = [(list(rng.randrange(100, 49000) for _ in range(5)), 30, seed, stream, stop)

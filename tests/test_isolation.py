@@ -21,7 +21,7 @@ from app.generate import EXAMPLE_ADAPTERS
 from app.model.default import DEFAULT_MODEL_NAME as BASE
 from tests.app_fixtures import (APP, FLAKY_ADAPTER, config_args, engine_with_flaky_adapter_load, example_adapter_names,
                                 replica_stats, serving, wait_for)
-from tests.error_hygiene import checked_client, leaks
+from tests.error_hygiene import checked_client, checked_openai, leaks
 
 ADAPTERS = example_adapter_names()
 VICTIMS = [BASE, *ADAPTERS][:4]
@@ -36,7 +36,8 @@ pytestmark = pytest.mark.skipif(len(ADAPTERS) < 3, reason="needs the example ada
 
 @pytest.fixture(scope="module")
 def args(tmp_path_factory) -> dict:
-    return config_args(registry_path=str(tmp_path_factory.mktemp("registry") / "adapters.json"))
+    return config_args(registry_path=str(tmp_path_factory.mktemp("registry") / "adapters.json"),
+                       adapter_roots=[str(EXAMPLE_ADAPTERS), str(tmp_path_factory.getbasetemp())])  # the tests' adapters
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +221,7 @@ def _cases(http, dirs) -> dict:
         "overflowing-adapter": (_stream_error(OVERFLOWING)[0], lambda error: error is None or error["code"] == "engine_error"),
         "adapter-failing-to-load-mid-batch": _stream_error(FLAKY_ADAPTER, "could not be loaded", FLAKY_ADAPTER),
         "adapter-without-config": (_post(ADMIN, json={"name": "empty", "path": str(dirs["empty"])}),
-                                   _client_error(400, "adapter_config.json")),
+                                   _client_error(400, "adapter_roots")),  # the same answer as for no directory
         "path-of-10000-chars": (_post(ADMIN, json={"name": "long", "path": "/" + "a" * 10000}), _client_error(400)),
         "10000-stop-strings": (_post(COMPLETIONS, json=_completion(stop=["x"] * 10000)), _client_error(400, "stop")),
         "10-mb-body": (_post(CHATS, content=json.dumps({"model": BASE, "messages": [
@@ -363,9 +364,9 @@ def test_registered_adapters_list_their_version_and_resolve_by_id(http):
     assert all(isinstance(a["version"], str) and len(a["version"]) >= 16 for a in listed)
     card = http.get(f"/v1/models/{ADAPTERS[0]}").json()
     assert card["id"] == ADAPTERS[0] and card["parent"] == BASE
-    from openai import NotFoundError, OpenAI
+    from openai import NotFoundError
 
-    client = OpenAI(base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = checked_openai(base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=60)
     assert client.models.retrieve(ADAPTERS[0]).id == ADAPTERS[0]
     with pytest.raises(NotFoundError):
         client.models.retrieve("no-such-model")

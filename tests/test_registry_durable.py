@@ -1,5 +1,5 @@
-"""The adapter registry's state survives a restart: written atomically (a local file) on
-every change, read back at start-up, a failed
+"""The adapter registry's state survives a restart: written atomically (a local file or
+an s3:// object on moto at 127.0.0.1) on every change, read back at start-up, a failed
 write changing nothing. (The end-to-end restart through Ray Serve is in
 tests/test_isolation.py, which shares its cluster.)"""
 import json
@@ -7,7 +7,9 @@ import json
 import pytest
 
 from app.registry import AdapterRegistry, AdapterSpec, RegistryUnavailableError
-from app.registry_store import LocalFile, open_store
+from app.registry_store import LocalFile, RegistryStoreError, open_store
+
+pytest_plugins = ["tests.s3_fixtures"]
 
 Registry = AdapterRegistry.func_or_class  # the deployment's class, run here without Serve
 
@@ -59,3 +61,23 @@ def test_local_file_is_replaced_whole(tmp_path):
     with pytest.raises(TypeError):
         store.save({"epoch": object()})  # fails mid-serialisation
     assert store.load() == {"epoch": 1} and sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+def test_an_s3_object_holds_the_state(s3, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # boto3's own chain, as in the app: moto on 127.0.0.1
+    s3.bucket("registry")
+    where = "s3://registry/loraplex/adapters.json"
+    assert open_store(where).load() is None
+    registry = Registry(_scanned(), where)
+    sent = []
+    registry._store._s3().meta.events.register("before-send.s3.PutObject", lambda request, **_: sent.append(request))
+    registry.put("tenant-a", "s3://tenants/a/", "v1")
+    registry.remove("pirate")
+    # moto may answer `Expect: 100-continue` twice, which botocore reads as a closed connection: never sent
+    assert len(sent) == 2 and not any("Expect" in r.headers for r in sent)
+    saved = json.loads(s3.client.get_object(Bucket="registry", Key="loraplex/adapters.json")["Body"].read())
+    assert saved["adapters"] == {"tenant-a": {"path": "s3://tenants/a/", "version": "v1"}} and saved["removed"] == ["pirate"]
+    restored = Registry(_scanned(), where)
+    assert [(s.name, s.path) for s in restored.list()[0]] == [("shout", "/adapters/shout"), ("tenant-a", "s3://tenants/a/")]
+    with pytest.raises(RegistryStoreError):
+        open_store("s3://registry/")  # a prefix, not an object

@@ -20,6 +20,7 @@ from app.model.tensor_parallel import COLUMN, Shard, gather_lora_pair, load_shar
 from app.model.weights import load_weights
 from app.protocol import GenerateRequest, SamplingParams
 from tests.helpers import make_random_adapter, run_to_completion
+from tests.error_hygiene import checked_openai
 
 RANKS = {"a": 4, "b": 8, "c": 16, "d": 2}
 
@@ -179,7 +180,6 @@ def _word_tokenizer(out):
 
 def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, single, tmp_path):
     import ray
-    from openai import OpenAI
     from ray import serve
 
     from app.builder import build_app
@@ -197,7 +197,7 @@ def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, singl
     assert parse_args(args, "tiny").replica_options["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 1}]
     jobs = [(rid, adapter, prompt, n) for _, rid, adapter, prompt, n in _jobs()[:7]]
     with serving({APP: (build_app(args), "/")}, num_cpus=3) as url:
-        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = checked_openai(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
         def complete(job):
             rid, adapter, prompt, n = job

@@ -1,0 +1,135 @@
+"""The admin surface closed by default and telling nothing about the server's disks:
+registrations must resolve inside `adapter_roots` (one uniform 400 otherwise), the admin
+routes without an admin key answer only on a loopback bind (a non-loopback bind without
+one stops the start-up), and a tenant whose adapter fails to load is told its name only."""
+import asyncio
+import json
+
+import pytest
+
+from app.admin import OUTSIDE_ROOTS, AdapterAdmin, RegisterAdapter
+from app.auth import Auth, check_bind, is_loopback
+from app.config import ConfigError, parse_args
+from app.errors import AdapterNotFoundError, InvalidAdapterError, PermissionDeniedError
+from app.http_errors import answer
+from app.registry import AdapterSpec
+from tests.error_hygiene import leaks
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def remote(self, *args):
+        return self.fn(*args)
+
+
+class _Replica:
+    def __init__(self):
+        self.loaded = []
+        self.load_adapter = _Remote(lambda name, uri: self.loaded.append((name, uri)) or "v1")
+
+
+class _Registry:
+    put = _Remote(lambda name, path, version: AdapterSpec(name, path, 1, version))
+
+
+def _adapter(path):
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    return path
+
+
+@pytest.fixture
+def roots(tmp_path):
+    root = tmp_path / "adapters"
+    _adapter(root / "pirate")
+    outside = _adapter(tmp_path / "elsewhere" / "secret")
+    (root / "escape").symlink_to(outside)
+    (root / "notes.txt").write_text("not an adapter")
+    settings = parse_args({"adapter_dirs": [str(root)]}, "base")
+    return root, outside, settings
+
+
+def _register(admin, path):
+    try:
+        return asyncio.run(admin.register(RegisterAdapter(name="tenant", path=path)))
+    except InvalidAdapterError as exc:
+        return answer(exc)
+
+
+def test_paths_outside_the_roots_get_one_answer(roots):
+    root, outside, settings = roots
+    assert settings.adapter_roots == (str(root.resolve()), "s3://")  # default: adapter_dirs and s3://
+    replica = _Replica()
+    admin = AdapterAdmin("base", replica, _Registry(), settings.adapter_roots)
+    refused = ["/etc", f"{root}/../elsewhere/secret", f"{root}/escape", f"{root}/notes.txt", f"{root}/nothing-here",
+               str(outside), "relative/pirate", f"{root}/pirate\0x", "/" + "b" * 300]
+    answers = [_register(admin, p) for p in refused]
+    assert {(a.status_code, a.body) for a in answers} == {(400, answers[0].body)}
+    assert json.loads(answers[0].body)["error"]["message"] == OUTSIDE_ROOTS and replica.loaded == []
+
+    ok = _register(admin, f"{root}/../adapters/./pirate")  # inside once resolved
+    assert ok["path"] == str((root / "pirate").resolve()) and ok["available"] is True
+    assert replica.loaded == [("tenant", str((root / "pirate").resolve()))]
+
+
+def test_s3_roots_narrow_s3_registrations(roots):
+    root, _, _ = roots
+    settings = parse_args({"adapter_dirs": [str(root)], "adapter_roots": ["s3://team-bucket/tenants"]}, "base")
+    assert settings.adapter_roots == ("s3://team-bucket/tenants",)  # no local root: adapter_dirs not implied
+    admin = AdapterAdmin("base", _Replica(), _Registry(), settings.adapter_roots)
+    assert _register(admin, "s3://team-bucket/tenants/a/")["path"] == "s3://team-bucket/tenants/a/"
+    for path in ("s3://team-bucket/tenants-evil/a/", "s3://other/a/", f"{root}/pirate"):
+        assert json.loads(_register(admin, path).body)["error"]["message"] == OUTSIDE_ROOTS
+
+
+def test_admin_routes_without_a_key_answer_on_loopback_only():
+    assert Auth((), None, loopback=True).caller(None).admin
+    exposed = Auth((), None, loopback=False)
+    assert not exposed.caller(None).admin  # inference stays open
+    with pytest.raises(PermissionDeniedError, match="closed"):
+        exposed.admin(None)
+    Auth((), "sk-the-admin", loopback=False).admin("Bearer sk-the-admin")
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("") and not is_loopback("10.1.2.3")
+    check_bind("127.0.0.1", None)
+    check_bind("0.0.0.0", "sk-the-admin")
+    with pytest.raises(ConfigError, match="admin_key"):
+        check_bind("0.0.0.0", None)
+
+
+def test_a_tenant_is_told_which_adapter_failed_never_where_it_lives(tmp_path):
+    from adapters_store.store import AdapterStore
+    from tests.store_helpers import TINY_SHAPE
+
+    gone = tmp_path / "adapters" / "pirate2"
+    store = AdapterStore(TINY_SHAPE)
+    store.register("pirate2", str(gone))
+    with pytest.raises(AdapterNotFoundError) as err:
+        asyncio.run(store.aget("pirate2"))
+    assert str(gone) in str(err.value)  # the log and the admin see where
+    response = answer(err.value)
+    body = json.loads(response.body)["error"]
+    assert response.status_code == 503 and body["message"] == "adapter 'pirate2' is unavailable"
+    assert not leaks(response.body.decode())
+    assert answer(AdapterNotFoundError(f"adapter directory {gone} does not exist")).status_code == 404  # unnamed: as before
+
+
+def test_build_app_refuses_a_public_bind_without_an_admin_key(monkeypatch, roots):
+    import app.builder
+
+    root, _, _ = roots
+    monkeypatch.setattr(app.builder, "serve_bind_host", lambda: "0.0.0.0")  # what Serve's controller would report
+    with pytest.raises(ConfigError, match="http_options.host is '0.0.0.0'"):
+        app.builder.app_from_args({"adapter_dirs": [str(root)]})
+
+
+def test_an_adapter_whose_directory_is_gone_is_listed_unavailable(tmp_path):
+    from app.admin import spec_json
+
+    here = _adapter(tmp_path / "here")
+    assert spec_json(AdapterSpec("here", str(here), 0, "v"))["available"] is True
+    assert spec_json(AdapterSpec("gone", str(tmp_path / "gone"), 0, "v"))["available"] is False
+    assert spec_json(AdapterSpec("remote", "s3://b/a/", 0, "v"))["available"] is None  # not probed

@@ -1,0 +1,111 @@
+"""No stream lost on a config change: `serve run` of a config with 3 LoraReplicas, 8 long
+streams in flight, then `serve deploy` (the CLI, against the running cluster) of a config
+whose `args` differ (Serve replaces every replica: Ingress, LoraReplicas, registry) and of
+one whose replica count differs (a light update: 3 → 2, the stopped replica's streams
+move). Every stream ends with `[DONE]` and equals its reference, taken from the same
+server before the change (greedy, one stream at a time); a fresh request sent during each
+change succeeds."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+
+import httpx
+import pytest
+import yaml
+
+from tests.app_fixtures import CONFIG, REPO, free_port, wait_for
+from tests.cluster_fixtures import make_tiny_chat_llama
+from tests.sse_client import errors, finish, start_streams
+
+STREAMS = 8
+MAX_TOKENS = 240  # the tiny model's context is 256
+PROMPTS = [f"Story {i}: once upon a time" for i in range(STREAMS)]
+
+
+def _config(path, model, port, replicas: int, max_body_bytes: int):
+    config = yaml.safe_load(CONFIG.read_text())
+    config["http_options"]["port"] = port
+    app = config["applications"][0]
+    app["import_path"] = "tests.fault_app:build_app"
+    app["args"].update(model=str(model), max_model_len=256, adapter_dirs=[], registry_path=None,
+                       max_body_bytes=max_body_bytes, max_batch_size=STREAMS, replica={"ray_actor_options": {"num_cpus": 0}})
+    app["deployments"] = [{"name": "LoraReplica", "num_replicas": replicas}, {"name": "Ingress", "num_replicas": 1}]
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _bodies():
+    return [{"model": "model", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0} for p in PROMPTS]
+
+
+def _deploy(path, dashboard: str):
+    done = subprocess.run(["serve", "deploy", str(path), "-a", dashboard], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # a local cluster of this test's own: the CLI reaches its dashboard without a token
+    env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    return env
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    assert shutil.which("serve")
+    root = tmp_path_factory.mktemp("config-change")
+    model = make_tiny_chat_llama(root / "model")
+    port = free_port()
+    first = _config(root / "first.yaml", model, port, replicas=3, max_body_bytes=1 << 22)
+    log = root / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["serve", "run", str(first)], cwd=REPO, env=_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return proc.poll() is not None
+    try:
+        assert wait_for(healthy, timeout=600, interval=1) and proc.poll() is None, log.read_text()[-5000:]
+        # this cluster's own dashboard (other Ray clusters on the machine may hold the default port)
+        dashboard = re.search(r"dashboard at \S*?(http://[\w.]+:\d+)", re.sub(r"\x1b\[[0-9;]*m", "", log.read_text()))
+        assert dashboard, log.read_text()[-5000:]
+        yield {"url": url, "root": root, "model": model, "port": port, "dashboard": dashboard.group(1)}
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def references(served):
+    """The same 8 streams at once on the unchanged server (batched as in the test)."""
+    results = finish(*start_streams(served["url"], _bodies()))
+    assert all(r["events"][-1:] == ["[DONE]"] and not errors(r) for r in results)
+    return [r["text"] for r in results]
+
+
+@pytest.mark.parametrize("change", ["args", "replicas"])
+def test_streams_survive_a_serve_deploy(served, references, change):
+    url, root = served["url"], served["root"]
+    changed = (_config(root / "args.yaml", served["model"], served["port"], replicas=3, max_body_bytes=1 << 21)
+               if change == "args" else
+               _config(root / "replicas.yaml", served["model"], served["port"], replicas=2, max_body_bytes=1 << 21))
+    threads, results = start_streams(url, _bodies())
+    assert all(r["started"].wait(300) for r in results), "a stream never started"
+    _deploy(changed, served["dashboard"])
+    fresh = httpx.post(f"{url}/v1/completions", json={"model": "model", "prompt": "Hello", "max_tokens": 4},
+                       timeout=600)  # sent while Serve applies the change
+    assert fresh.status_code == 200, fresh.text
+    for r, expected in zip(finish(threads, results), references):
+        assert r["events"][-1:] == ["[DONE]"] and not errors(r), r["events"][-3:]
+        assert r["text"] == expected
