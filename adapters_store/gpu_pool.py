@@ -36,9 +36,14 @@ class PoolConfig:
     device: str = "cpu"
 
 
+def adapter_bytes(shape: ModelShape, rank: int, dtype: torch.dtype) -> int:
+    """The largest adapter of this rank: A and B of every module and layer (one pool slot)."""
+    return shape.num_layers * rank * sum(d_in + d_out for d_in, d_out in shape.dims.values()) * dtype.itemsize
+
+
 def slots_for_budget(shape: ModelShape, max_rank: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    """How many slots of max_rank (A and B of every module and layer) fit in budget_bytes."""
-    per_slot = shape.num_layers * max_rank * sum(d_in + d_out for d_in, d_out in shape.dims.values()) * dtype.itemsize
+    """How many slots of max_rank fit in budget_bytes."""
+    per_slot = adapter_bytes(shape, max_rank, dtype)
     if budget_bytes < per_slot:
         raise ValueError(f"{budget_bytes} bytes hold no adapter slot: one of rank {max_rank} takes {per_slot}")
     return budget_bytes // per_slot
@@ -62,6 +67,9 @@ class LoraPool:
         self._slot_of: OrderedDict[AdapterKey, int] = OrderedDict()  # LRU order, oldest first
         self._refs: dict[AdapterKey, int] = {}
         self._free = list(range(S - 1, -1, -1))
+        self.slot_bytes = adapter_bytes(shape, config.max_rank, config.dtype)
+        self.hits = 0  # acquires that found the adapter in a slot
+        self.misses = 0  # acquires that needed a load (loads ≤ misses: a miss with every slot pinned waits)
         self.loads = 0
         self.evictions = 0
         cuda = torch.device(config.device).type == "cuda"
@@ -75,7 +83,10 @@ class LoraPool:
         """Pin the adapter in a slot (loading it if needed); None if every slot is pinned."""
         key = (weights.name, weights.version)
         slot = self._slot_of.get(key)
-        if slot is None:
+        if slot is not None:
+            self.hits += 1
+        else:
+            self.misses += 1
             slot = self._take_slot()
             if slot is None:
                 return None
@@ -104,6 +115,7 @@ class LoraPool:
 
     def resident(self) -> list[AdapterKey]:
         return list(self._slot_of)
+
 
     def _take_slot(self) -> int | None:
         if self._free:
