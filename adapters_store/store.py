@@ -259,8 +259,10 @@ class AdapterStore:
             return weights
         except (AdapterNotFoundError, InvalidAdapterError, SourceChangedError) as exc:
             self.metrics.error(type(exc).__name__)
+            if isinstance(exc, AdapterNotFoundError) and name not in self._uris:  # on demand: the asker is a tenant
+                exc = AdapterNotFoundError(f"adapter {name!r} does not exist")
             self._remember(name, gen, error=exc)
-            raise
+            raise exc from None
         except AdapterFetchError:
             self.metrics.error(AdapterFetchError.__name__)  # one counter for every kind of transient failure
             raise

@@ -57,7 +57,7 @@ def source_uri(source: str | None) -> str | None:
         if not where.is_dir():
             raise ValueError(f"adapter_source: no directory {str(where)!r}")
         return str(where.resolve())
-    return str(where) + "/"
+    return str(where).rstrip("/") + "/"
 
 
 def store_config(cache: AdapterCacheArgs, source: str | None, max_rank: int) -> StoreConfig:
