@@ -69,7 +69,8 @@ class LoraPool:
         self._free = list(range(S - 1, -1, -1))
         self.slot_bytes = adapter_bytes(shape, config.max_rank, config.dtype)
         self.hits = 0  # acquires that found the adapter in a slot
-        self.misses = 0  # acquires that needed a load (loads ≤ misses: a miss with every slot pinned waits)
+        self.misses = 0  # times a non-resident adapter was asked for (one per episode, until it gets a slot)
+        self._refused: set[AdapterKey] = set()  # asked for while every slot was pinned: still to be loaded
         self.loads = 0
         self.evictions = 0
         cuda = torch.device(config.device).type == "cuda"
@@ -86,10 +87,13 @@ class LoraPool:
         if slot is not None:
             self.hits += 1
         else:
-            self.misses += 1
+            if key not in self._refused:  # a request retried each step, or several asking, is one miss
+                self.misses += 1
             slot = self._take_slot()
             if slot is None:
+                self._refused.add(key)
                 return None
+            self._refused.discard(key)
             try:
                 self._load(slot, weights)
             except Exception:  # the slot stays free for the next adapter; the caller fails this one

@@ -46,6 +46,11 @@ from benchmarks.adapter_load import DTYPE, RANK, llama7b, random_adapter, random
 SLOTS, BATCH, ZIPF = 64, 32, 1.1
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _view(buffer: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return buffer.as_strided(t.shape, t.stride(), t.storage_offset())
 
@@ -55,7 +60,8 @@ class GeneratedSource:
 
     def __init__(self, proto: LoraWeights, host_bytes: int, workers: int, source_gbps: float | None):
         self.proto, self.source_gbps = proto, source_gbps
-        self.host = HostCache(HostCacheConfig(budget_bytes=host_bytes, pin_memory=True, dtype=DTYPE))
+        self.pin = torch.cuda.is_available()
+        self.host = HostCache(HostCacheConfig(budget_bytes=host_bytes, pin_memory=self.pin, dtype=proto.buffer.dtype))
         self.flights = SingleFlight(ThreadPoolExecutor(workers, thread_name_prefix="gen"))
         self.lock = threading.Lock()
         self.made = self.hits = 0
@@ -70,9 +76,12 @@ class GeneratedSource:
             return done
         return self.flights.submit(name, lambda: self._make(name))
 
+    def get(self, name: str) -> LoraWeights:
+        return self.prefetch(name).result()
+
     def _make(self, name: str) -> LoraWeights:
         start, p = time.perf_counter(), self.proto
-        buffer = torch.empty_like(p.buffer, pin_memory=True)
+        buffer = torch.empty_like(p.buffer, pin_memory=self.pin)
         buffer.copy_(p.buffer)
         gen = torch.Generator().manual_seed(hash(name) & 0xFFFFFFFF)
         for st in p.stacks.values():  # this adapter's own first row of A in every layer
@@ -128,7 +137,7 @@ def replay(engine: EngineCore, source: GeneratedSource, requests, names, max_tok
                     first[j] = time.perf_counter() - t0
                     waits.append(first[j] - requests[j][0])
                 done += chunk.finish_reason is not None
-    torch.cuda.synchronize()
+    _sync()
     span = time.perf_counter() - t0
     ttft = sorted(first[j] - requests[j][0] for j in first)
     pct = lambda q: ttft[min(len(ttft) - 1, int(round(q / 100 * (len(ttft) - 1))))]  # noqa: E731
@@ -149,7 +158,7 @@ def step_seconds(engine: EngineCore, names, max_tokens: int) -> float:
     while engine.has_work():
         s = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - s)
     return float(np.median(times[2:]))
 
