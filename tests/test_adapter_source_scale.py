@@ -1,6 +1,6 @@
 """A thousand adapters under an S3 prefix (moto on 127.0.0.1), resolved on demand by name:
 3,000 Zipf(1.1) requests through the engine and its AdapterStore with 8 GPU slots, a host
-cache of 128 adapters and a disk cache of 384. Every output equals the same adapter served
+cache of 128 adapters and a disk cache of 160. Every output equals the same adapter served
 from a local registration; every tier loads at most once per miss; no request waits longer
 than the scheduler's aging bound (counted in engine steps, so it holds on any machine);
 afterwards no slot is pinned and every cache is within its budget.
@@ -29,7 +29,7 @@ from tests.store_helpers import TINY_SHAPE, one_torch_thread, store_config, uplo
 pytest_plugins = ["tests.s3_fixtures"]
 
 N_ADAPTERS, N_REQUESTS, IN_FLIGHT, SLOTS = 1000, 3000, 16, 8
-HOST_HELD, DISK_HELD = 128, 384  # budgets, in adapters of the largest size written here
+HOST_HELD, DISK_HELD = 128, 160  # budgets, in adapters of the largest size written here
 MAX_TOKENS, PROMPT_LEN = 4, 6
 TARGETS = [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"), ("v_proj", "down_proj")]
 RANKS = (4, 8, 16)
@@ -73,12 +73,14 @@ def _trace() -> list[str]:
 def _serve_closed_loop(engine, names: list[str]) -> tuple[dict[str, list[int]], dict[str, int]]:
     """IN_FLIGHT requests at a time; (tokens by request id, steps each waited before its first token)."""
     pending = list(enumerate(names))[::-1]
+    for _, name in pending[-IN_FLIGHT:]:
+        engine.adapters.prefetch(name)
     tokens, added, waited, live = {}, {}, {}, 0
     step = 0
     while pending or engine.has_work():
         while pending and live < IN_FLIGHT:
-            for _, ahead in pending[-IN_FLIGHT:]:  # as the async engine does: loads overlap, off the step
-                engine.adapters.prefetch(ahead)
+            if len(pending) > IN_FLIGHT:  # as the async engine does: loads overlap, off the step
+                engine.adapters.prefetch(pending[-IN_FLIGHT - 1][1])
             i, name = pending.pop()
             engine.add(_request(f"r{i}", name))
             tokens[f"r{i}"], added[f"r{i}"] = [], step
@@ -115,7 +117,7 @@ def test_a_thousand_adapters_on_demand_from_s3(tmp_path, s3, fleet):
 
     tiers = store.tiers(pool)
     gpu, host, disk = tiers["gpu"], tiers["host"], tiers["disk"]
-    assert len(used) > 300 and gpu["eviction"] > 0 and host["eviction"] > 0  # the trace really thrashes every tier
+    assert len(used) > 300 and min(gpu["eviction"], host["eviction"], disk["eviction"]) > 0  # every tier thrashes
     assert gpu["load"] <= gpu["miss"] and gpu["hit"] + gpu["miss"] >= N_REQUESTS
     assert host["load"] <= host["miss"] and disk["load"] <= disk["miss"]
     assert host["load"] >= len(used)  # each adapter was loaded from S3 (or the disk copy) at least once
