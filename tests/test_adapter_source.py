@@ -94,7 +94,6 @@ def test_adapter_cache_args_become_the_store_config(tmp_path):
     with pytest.raises(ConfigError, match="adapter_source"):
         parse_args({"adapter_source": "gs://bucket/x"}, "base")
     # A budget that holds no adapter of the largest rank is refused when the engine is built.
-    from app.engine.factory import build_engine  # noqa: F811 (the same function; named here for the reader)
     tiny = {"adapter_cache": {"host_gb": 1e-6}, "max_lora_rank": 16}
     with pytest.raises(ValueError, match="adapter_cache.host_gb"):
         build_engine(make_tiny_llama(tmp_path / "m"), EngineConfig(), tokenizer=None,

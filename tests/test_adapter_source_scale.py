@@ -11,7 +11,6 @@ on-demand names by tests/test_adapter_source_app.py.
 """
 import math
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
