@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable
 
 from ray import serve
 
-from adapters_store.store import StoreConfig
+from adapters_store.store import AdapterStore, StoreConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine_metrics import EngineMetrics
@@ -47,8 +47,10 @@ def build_async_engine(settings: ReplicaSettings) -> AsyncEngine:
 
 
 def _stats(core) -> dict:
-    return {**core.stats(), "adapters": core.adapters.names(),
-            "adapter_store": {**core.adapters.describe(), "tiers": core.adapters.tiers(core.model.lora_pool)}}
+    stats = {**core.stats(), "adapters": core.adapters.names()}
+    if isinstance(core.adapters, AdapterStore):  # a simulated core (app/engine/simulated.py) has none
+        stats["adapter_store"] = {**core.adapters.describe(), "tiers": core.adapters.tiers(core.model.lora_pool)}
+    return stats
 
 
 @serve.deployment(name="LoraReplica")
