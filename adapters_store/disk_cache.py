@@ -137,7 +137,7 @@ class DiskCache:
         except BaseException:
             _unlink(Path(tmp))
             raise
-        _fsync_dir(directory)
+        fsync_path(directory)
         with self._lock:
             self._track(path, len(blob))
         self._prune(keep=path)
@@ -196,8 +196,9 @@ def _rmdir_quiet(directory: Path) -> None:
         pass
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a directory (so that a rename in it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

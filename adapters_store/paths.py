@@ -73,13 +73,18 @@ def parse_uri(uri: str | os.PathLike) -> S3Uri | Path:
     return S3Uri(bucket, segments)
 
 
-def cache_file(root: Path, uri: S3Uri, version: str, filename: str) -> Path:
-    """Where a verified object lives in the cache (pure: creates nothing)."""
+def cache_dir(root: Path, uri: S3Uri, version: str) -> Path:
+    """The cache directory of one version of uri's objects (pure: creates nothing)."""
     if not _VERSION.match(version):
         raise UnsafePathError(f"invalid version {version!r}")
+    return root.joinpath("s3", uri.bucket, *uri.segments, f"@{version}")
+
+
+def cache_file(root: Path, uri: S3Uri, version: str, filename: str) -> Path:
+    """Where a verified object lives in the cache (pure: creates nothing)."""
     if not _SEGMENT.match(filename):
         raise UnsafePathError(f"unsafe file name {filename!r}")
-    return root.joinpath("s3", uri.bucket, *uri.segments, f"@{version}", filename)
+    return cache_dir(root, uri, version) / filename
 
 
 def make_dirs(root: Path, directory: Path) -> Path:

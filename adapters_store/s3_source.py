@@ -81,18 +81,22 @@ def fetch_error(exc: Exception, what: str) -> Exception:
     return AdapterFetchError(f"{what}: S3 unavailable ({type(exc).__name__}: {exc})")
 
 
-def _client_errors() -> tuple[type[Exception], ...]:
+def client_errors() -> tuple[type[Exception], ...]:
     from botocore.exceptions import BotoCoreError, ClientError
 
     return ClientError, BotoCoreError, OSError
 
 
+def etag_is_md5(head: dict) -> bool:
+    """Whether the ETag derives from MD5 (of the object, or of its parts): not under SSE-KMS or SSE-C."""
+    return not (head.get("ServerSideEncryption", "").startswith("aws:kms") or head.get("SSECustomerAlgorithm"))
+
+
 def object_info(head: dict) -> ObjectInfo:
     """ObjectInfo from a HeadObject response; only full-object checksums are kept."""
     etag = head.get("ETag", "").strip('"') or None
-    encrypted = head.get("ServerSideEncryption", "").startswith("aws:kms") or head.get("SSECustomerAlgorithm")
     composite = head.get("ChecksumType") == "COMPOSITE"
-    md5 = etag if etag and _MD5_ETAG.match(etag) and not encrypted else None  # KMS ETags are no MD5
+    md5 = etag if etag and _MD5_ETAG.match(etag) and etag_is_md5(head) else None
 
     def checksum(header: str) -> str | None:
         value = head.get(header)
@@ -101,6 +105,12 @@ def object_info(head: dict) -> ObjectInfo:
     meta_sha = head.get("Metadata", {}).get("sha256", "").lower()
     sha256 = checksum("ChecksumSHA256") or (meta_sha if re.fullmatch(r"[0-9a-f]{64}", meta_sha) else None)
     return ObjectInfo(head["ContentLength"], etag, head.get("VersionId"), md5, sha256, checksum("ChecksumCRC32"))
+
+
+def version_pin(info: ObjectInfo) -> dict:
+    """GetObject arguments that read exactly this version: a concurrent re-upload then fails
+    (412) instead of mixing contents."""
+    return {"VersionId": info.version_id} if info.version_id else {"IfMatch": f'"{info.etag}"'}
 
 
 class S3Source:
@@ -123,7 +133,7 @@ class S3Source:
 
     def list_files(self) -> list[str]:
         """File names directly under this adapter's prefix (never a sibling's: the prefix ends in "/")."""
-        return [key.rsplit("/", 1)[-1] for key in _list(self.client, self.loc, "Contents", "Key")]
+        return [item["Key"].rsplit("/", 1)[-1] for item in list_under(self.client, self.loc, "Contents")]
 
     def _what(self, filename: str) -> str:
         return f"s3://{self.loc.bucket}/{self.loc.key(filename)}"
@@ -134,7 +144,7 @@ class S3Source:
             resp = self.client.get_object(Bucket=self.loc.bucket, Key=self.loc.key(CONFIG_FILE))
             check_config_size(resp["ContentLength"], self.uri)
             return resp["Body"].read(), resp.get("ETag", "")
-        except _client_errors() as exc:
+        except client_errors() as exc:
             err = fetch_error(exc, what)
         if isinstance(err, AdapterNotFoundError):
             raise AdapterNotFoundError(f"no adapter at {self.uri} ({CONFIG_FILE} not found)")
@@ -144,15 +154,14 @@ class S3Source:
         try:
             return object_info(self.client.head_object(Bucket=self.loc.bucket, Key=self.loc.key(filename),
                                                        ChecksumMode="ENABLED"))
-        except _client_errors() as exc:
+        except client_errors() as exc:
             err = fetch_error(exc, self._what(filename))
         if isinstance(err, AdapterNotFoundError):
             raise missing_weights(self.uri, BIN_FILE in self.list_files())
         raise err
 
     def _download(self, info: ObjectInfo, sink: VerifyingSink) -> None:
-        # Pin the exact version resolved: a concurrent re-upload fails (412) instead of mixing contents.
-        pin = {"VersionId": info.version_id} if info.version_id else {"IfMatch": f'"{info.etag}"'}
+        pin = version_pin(info)
         what, deadline = self._what(WEIGHTS_FILE), time.monotonic() + self.cfg.download_deadline_s
         progress = Progress(what, info.size, self.cfg.progress_every_s)
         try:
@@ -165,24 +174,26 @@ class S3Source:
                         raise SourceTimeoutError(f"{what}: download exceeded {self.cfg.download_deadline_s:.0f} s")
             finally:
                 body.close()
-        except _client_errors() as exc:
+        except client_errors() as exc:
             raise fetch_error(exc, what) from None
 
 
-def _list(client, loc: S3Uri, field: str, attr: str):
+def list_under(client, loc: S3Uri, field: str):
+    """ListObjectsV2 entries directly under loc's prefix: objects ("Contents": Key, Size, ETag, …)
+    or sub-prefixes ("CommonPrefixes": Prefix)."""
     paginator = client.get_paginator("list_objects_v2")
     try:
         for page in paginator.paginate(Bucket=loc.bucket, Prefix=loc.prefix, Delimiter="/"):
-            yield from (item[attr] for item in page.get(field, []))
-    except _client_errors() as exc:
+            yield from page.get(field, [])
+    except client_errors() as exc:
         raise fetch_error(exc, str(loc)) from None
 
 
 def discover(client, root: S3Uri) -> dict[str, S3Uri]:
     """Adapters directly under root (``root/<name>/``), by name; invalid names are skipped."""
     found = {}
-    for prefix in _list(client, root, "CommonPrefixes", "Prefix"):
-        name = prefix.removesuffix("/").rsplit("/", 1)[-1]
+    for item in list_under(client, root, "CommonPrefixes"):
+        name = item["Prefix"].removesuffix("/").rsplit("/", 1)[-1]
         if NAME.match(name):
             found[name] = root.child(name)
     return found

@@ -13,6 +13,8 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from adapters_store.errors import AdapterUriError
+from adapters_store.paths import parse_uri
 from adapters_store.store import StoreConfig
 from app.adapter_args import AdapterCacheArgs, store_config
 from app.engine.config import EngineConfig
@@ -68,7 +70,7 @@ class ClusterArgs(_Strict):
 
 
 class AppArgs(_Strict):
-    model: str | None = None  # HF checkpoint directory; None = the embedded SmolLM2-135M-Instruct
+    model: str | None = None  # checkpoint dir, .gguf or s3://bucket/prefix/; None: the embedded SmolLM2-135M-Instruct
     model_name: str | None = None  # the base model's `model` id in the API
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
@@ -137,6 +139,15 @@ def _adapter_dirs(dirs: list[str]) -> tuple[str, ...]:
     return tuple(resolved)
 
 
+def _check_model(model: str | None) -> None:
+    """An s3:// model's URI is checked here; the checkpoint itself where it is loaded (app/model/source.py)."""
+    if model and model.startswith("s3://"):
+        try:
+            parse_uri(model)
+        except AdapterUriError as exc:
+            raise ConfigError(f"invalid serve_config.yaml args:\n  model: {exc}") from None
+
+
 def cluster_options(c: ClusterArgs, engine: EngineConfig) -> dict:
     """The consolidating router (cluster/router.py) and its queue bound, as Serve options."""
     router = {
@@ -167,6 +178,7 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         a = AppArgs.model_validate(raw or {})
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
+    _check_model(a.model)
     engine = EngineConfig(
         max_num_seqs=a.max_batch_size, max_tokens_per_step=a.max_tokens_per_step, num_kv_blocks=a.num_kv_blocks,
         block_size=a.block_size, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank, dtype=_DTYPES[a.dtype],

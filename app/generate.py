@@ -31,7 +31,7 @@ def _args(argv):
     p.add_argument("prompt")
     p.add_argument("--adapter", help="adapter name (default: the base model)")
     p.add_argument("--adapters-dir", type=Path, default=EXAMPLE_ADAPTERS)
-    p.add_argument("--model", help="HF checkpoint directory (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="HF checkpoint directory, .gguf file or s3://bucket/prefix/ (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -26,7 +26,7 @@ from app.auth import Auth, Caller
 from app.config import Settings
 from app.engine.factory import load_tokenizer
 from app.errors import AdapterNotFoundError, InvalidRequestError
-from app.model.default import default_model_dir
+from app.model.source import resolve_model
 from app.openai_requests import ChatCompletionRequest, CompletionRequest
 from app.openai_responses import Formatter
 from app.protocol import GenerateRequest
@@ -44,7 +44,7 @@ _READY_TIMEOUT_S = 5.0  # /health: a replica that cannot answer a stats call thi
 
 def _load_model_files(model: str | None):
     """The tokenizer and the context length, from the same checkpoint the replicas load."""
-    path = model or default_model_dir()
+    path = resolve_model(model, weights=False)
     return load_tokenizer(path), AutoConfig.from_pretrained(str(path)).max_position_embeddings
 
 

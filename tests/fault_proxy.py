@@ -20,7 +20,8 @@ class Fault:
     """kind: "status" (an S3 error reply), "reset" (RST mid-body), "corrupt" (a flipped byte),
     "truncate" (short body, honest length), "slow" (no reply for delay_s), "stall" (half the body,
     then nothing for delay_s), "pass" (no fault: just run `before`). times: how many matching
-    requests get it (None: all). before: called before the request is forwarded."""
+    requests get it (None: all). before: called before the request is forwarded. suffix: GETs of
+    paths ending in it are faulted (default: adapter weights)."""
 
     kind: str
     status: int = 500
@@ -28,6 +29,7 @@ class Fault:
     delay_s: float = 0.0
     times: int | None = None
     before: Callable[[], None] | None = None
+    suffix: str = WEIGHTS
 
 
 @dataclass
@@ -38,11 +40,11 @@ class ProxyState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, method: str, path: str) -> Fault | None:
-        """Record the request; the fault it gets (only GETs of adapter weights are faulted)."""
+        """Record the request; the fault it gets (only GETs of fault.suffix, adapter weights by default)."""
         with self.lock:
             self.requests.append((method, path))
             fault = self.fault
-            if fault is None or method != "GET" or not path.split("?")[0].endswith(WEIGHTS):
+            if fault is None or method != "GET" or not path.split("?")[0].endswith(fault.suffix):
                 return None
             if fault.times is not None:
                 fault.times -= 1

@@ -1,4 +1,4 @@
-"""Build an engine from a checkpoint directory (default: the embedded SmolLM2)."""
+"""Build an engine from a base model (a checkpoint directory, .gguf file or s3://…; default: the embedded SmolLM2)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,8 +9,8 @@ from adapters_store.store import AdapterStore, StoreConfig, check_budgets
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.model.config import ModelConfig
-from app.model.default import default_model_dir
 from app.model.llama import LlamaModel
+from app.model.source import resolve_model
 from app.model.tensor_parallel import shard_config
 from app.model.weights import load_weights
 
@@ -24,13 +24,13 @@ def load_tokenizer(path: Path):
 def build_engine(model_path: str | Path | None = None, config: EngineConfig = EngineConfig(),
                  adapters: dict[str, str] | None = None, tokenizer="auto", store: AdapterStore | None = None,
                  store_config: StoreConfig = StoreConfig()) -> EngineCore:
-    """An EngineCore for a local HF Llama-family checkpoint. ``adapters`` (name → local
-    directory or s3:// URI) are registered in ``store`` (default: a new AdapterStore made
-    from ``store_config``, its rank and dtype the engine's) and loaded once now, so a bad
-    one fails at start-up."""
+    """An EngineCore for a Llama-family checkpoint (found by app/model/source.py). ``adapters``
+    (name → local directory or s3:// URI) are registered in ``store`` (default: a new AdapterStore
+    made from ``store_config``, its rank and dtype the engine's) and loaded once now, so a bad one
+    fails at start-up."""
     from transformers import AutoConfig
 
-    path = Path(model_path) if model_path else default_model_dir()
+    path = resolve_model(model_path)
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
     if store is None:
         store_config = replace(store_config, max_rank=config.max_lora_rank, host=replace(store_config.host, dtype=config.dtype))

@@ -6,18 +6,13 @@ directory (config.json, model.safetensors, tokenizer files), so every later
 load — ours and the HF reference's — reads the very same safetensors.
 """
 import importlib.util
-import json
-import os
 from pathlib import Path
 
-from safetensors.torch import save_file
+from app.model.gguf import is_converted, write_checkpoint
+from app.model.node_cache import cache_root, fill_once
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LORAPLEX_CACHE", Path.home() / ".cache" / "loraplex"))
 
 
 def gguf_dir() -> str:
@@ -30,26 +25,7 @@ def gguf_dir() -> str:
 
 
 def default_model_dir() -> Path:
-    """Path of the converted checkpoint, converting on first use (atomic rename)."""
-    target = cache_root() / "smollm2-135m-instruct"
-    if (target / "model.safetensors").exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = gguf_dir()
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE)
-    # The GGUF loader marks the model as quantized (so save_pretrained refuses),
-    # although the weights are already dequantized: write the files ourselves.
-    tmp.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    skip = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in skip}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(tmp)
-    if not target.exists():
-        tmp.rename(target)
-    return target
+    """Path of the converted checkpoint, converting on first use (once per node)."""
+    root = cache_root()
+    convert = lambda tmp: write_checkpoint(Path(gguf_dir()) / GGUF_FILE, tmp)  # noqa: E731
+    return fill_once(root, root / "smollm2-135m-instruct", convert, is_converted)
