@@ -100,6 +100,9 @@ class DiskCache:
         self.nbytes = 0
         self._scan()
 
+    def __len__(self) -> int:
+        return len(self._files)
+
     def read(self, path: Path, info: ObjectInfo) -> bytes | None:
         """The cached object, or None (absent, or not what it must be: then it is removed)."""
         try:

@@ -36,9 +36,14 @@ class PoolConfig:
     device: str = "cpu"
 
 
+def adapter_bytes(shape: ModelShape, rank: int, dtype: torch.dtype) -> int:
+    """The largest adapter of this rank: A and B of every module and layer (one pool slot)."""
+    return shape.num_layers * rank * sum(d_in + d_out for d_in, d_out in shape.dims.values()) * dtype.itemsize
+
+
 def slots_for_budget(shape: ModelShape, max_rank: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    """How many slots of max_rank (A and B of every module and layer) fit in budget_bytes."""
-    per_slot = shape.num_layers * max_rank * sum(d_in + d_out for d_in, d_out in shape.dims.values()) * dtype.itemsize
+    """How many slots of max_rank fit in budget_bytes."""
+    per_slot = adapter_bytes(shape, max_rank, dtype)
     if budget_bytes < per_slot:
         raise ValueError(f"{budget_bytes} bytes hold no adapter slot: one of rank {max_rank} takes {per_slot}")
     return budget_bytes // per_slot
@@ -62,6 +67,10 @@ class LoraPool:
         self._slot_of: OrderedDict[AdapterKey, int] = OrderedDict()  # LRU order, oldest first
         self._refs: dict[AdapterKey, int] = {}
         self._free = list(range(S - 1, -1, -1))
+        self.slot_bytes = adapter_bytes(shape, config.max_rank, config.dtype)
+        self.hits = 0  # acquires that found the adapter in a slot
+        self.misses = 0  # times a non-resident adapter was asked for (one per episode, until it gets a slot)
+        self._refused: set[AdapterKey] = set()  # asked for while every slot was pinned: still to be loaded
         self.loads = 0
         self.evictions = 0
         cuda = torch.device(config.device).type == "cuda"
@@ -75,10 +84,16 @@ class LoraPool:
         """Pin the adapter in a slot (loading it if needed); None if every slot is pinned."""
         key = (weights.name, weights.version)
         slot = self._slot_of.get(key)
-        if slot is None:
+        if slot is not None:
+            self.hits += 1
+        else:
+            if key not in self._refused:  # a request retried each step, or several asking, is one miss
+                self.misses += 1
             slot = self._take_slot()
             if slot is None:
+                self._refused.add(key)
                 return None
+            self._refused.discard(key)
             try:
                 self._load(slot, weights)
             except Exception:  # the slot stays free for the next adapter; the caller fails this one
@@ -104,6 +119,7 @@ class LoraPool:
 
     def resident(self) -> list[AdapterKey]:
         return list(self._slot_of)
+
 
     def _take_slot(self) -> int | None:
         if self._free:

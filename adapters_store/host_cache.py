@@ -82,7 +82,9 @@ class HostCache:
     def put(self, weights: LoraWeights) -> LoraWeights:
         """Cache weights (packed/pinned if configured) and return what callers should use."""
         key = (weights.name, weights.version)
-        if self.pin or self.config.dtype != torch.float32:
+        packed = weights.buffer is not None and weights.buffer.dtype == self.config.dtype and \
+            (not self.pin or weights.buffer.is_pinned())
+        if (self.pin or self.config.dtype != torch.float32) and not packed:
             weights = pack(weights, pin=self.pin, dtype=self.config.dtype)
         if weights.nbytes > self.config.budget_bytes:
             log.warning("adapter %s (%d bytes) exceeds the host cache budget: served uncached", key, weights.nbytes)

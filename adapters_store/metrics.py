@@ -6,7 +6,9 @@ Inside a Ray Serve replica they are also exported as Prometheus metrics through
 ``ray.serve.metrics`` (which adds the deployment/replica tags); elsewhere the
 export is a no-op, so the store never needs Ray (nor its 2 s import).
 Tiers: "host", "disk" (hits/misses/evictions); loads by source: "s3", "disk",
-"local" (and "gpu" for the host→GPU copy, recorded by the GPU pool).
+"local" (and "gpu" for the host→GPU copy, recorded by the GPU pool), each with a
+load-seconds histogram; ``publish`` sets the per-tier gauges (resident adapters,
+bytes, budget) from ``AdapterStore.tiers``.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def _inside_ray() -> bool:
 class _RayExport:
     def __init__(self):
         from ray.serve.metrics import Counter as RayCounter
+        from ray.serve.metrics import Gauge
         from ray.serve.metrics import Histogram
 
         def counter(name, doc, tags):
@@ -42,6 +45,8 @@ class _RayExport:
                                  boundaries=_LATENCY_BOUNDS_S, tag_keys=("source",))
         self.sizes = Histogram("loraplex_adapter_load_size_bytes", description="Size of each adapter load",
                                boundaries=_BYTES_BOUNDS, tag_keys=("source",))
+        self.tier = Gauge("loraplex_adapter_tier", description="Per cache tier: resident adapters, bytes, budget",
+                          tag_keys=("tier", "quantity"))
 
 
 class StoreMetrics:
@@ -49,6 +54,7 @@ class StoreMetrics:
         """export: None = export to Prometheus only when running inside Ray."""
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
+        self._buckets: dict[str, list[int]] = {}  # source → loads per latency bucket (last: above every bound)
         self._ray = _RayExport() if (_inside_ray() if export is None else export) else None
 
     def _count(self, key: str, n: float = 1) -> None:
@@ -70,6 +76,9 @@ class StoreMetrics:
         self._count(f"load.{source}")
         self._count(f"load.{source}.bytes", nbytes)
         self._count(f"load.{source}.seconds", seconds)
+        with self._lock:
+            buckets = self._buckets.setdefault(source, [0] * (len(_LATENCY_BOUNDS_S) + 1))
+            buckets[next((i for i, b in enumerate(_LATENCY_BOUNDS_S) if seconds <= b), len(_LATENCY_BOUNDS_S))] += 1
         if self._ray:
             tags = {"source": source}
             self._ray.bytes.inc(nbytes, tags=tags)
@@ -79,6 +88,19 @@ class StoreMetrics:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._counts)
+
+    def histograms(self) -> dict[str, dict[str, int]]:
+        """Load seconds by source: {source: {"le_<bound>": loads, …, "le_inf": loads}} (not cumulative)."""
+        labels = [f"le_{b:g}" for b in _LATENCY_BOUNDS_S] + ["le_inf"]
+        with self._lock:
+            return {src: dict(zip(labels, counts)) for src, counts in self._buckets.items()}
+
+    def publish(self, tiers: dict[str, dict]) -> None:
+        """Set the per-tier gauges (Prometheus inside Ray; a no-op elsewhere)."""
+        if self._ray:
+            for tier, values in tiers.items():
+                for quantity in ("resident", "bytes", "budget_bytes"):
+                    self._ray.tier.set(values[quantity], tags={"tier": tier, "quantity": quantity})
 
 
 class Progress:

@@ -3,9 +3,12 @@ S3 (or a local directory) → verified disk cache → host LRU, single-flight.
 
 The engine thread never waits on S3: it calls ``peek`` (no I/O) and, on a miss,
 ``prefetch`` (a Future completed by the store's loader threads); ``get`` blocks,
-``aget`` awaits. A name's identity is (name, version): ``register`` re-resolves
-the version (S3 ETag/VersionId, file sha256), so a re-uploaded adapter that is
-registered again is served with its new weights, never the stale ones. Unknown
+``aget`` awaits. A name's identity is (name, version): every cold load (a host
+miss) re-resolves the version (S3 ETag/VersionId, file sha256), so an adapter
+re-uploaded under the same name is served with its new weights from its next
+cold load on, never the stale ones; ``register`` forgets the old version at once.
+With ``default_root`` set, an unregistered name loads from ``root/<name>/`` on
+first use (the on-demand source, ``adapter_source`` in serve_config.yaml). Unknown
 and invalid adapters are remembered for ``miss_ttl_s`` (no request storms on S3);
 transient source failures (AdapterFetchError) are not, so the next request retries.
 """
@@ -21,8 +24,11 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from adapters_store.disk_cache import DiskCache, DiskCacheConfig
 from adapters_store.errors import AdapterError, AdapterFetchError, AdapterNotFoundError, InvalidAdapterError, SourceChangedError
+from adapters_store.gpu_pool import adapter_bytes
 from adapters_store.host_cache import HostCache, HostCacheConfig
 from adapters_store.manifest import parse_manifest
 from adapters_store.metrics import StoreMetrics
@@ -44,6 +50,16 @@ class StoreConfig:
     miss_ttl_s: float = 10.0
     workers: int = 4  # loader threads: concurrent downloads of distinct adapters
     default_root: str | None = None  # e.g. "s3://bucket/adapters/": unregistered names load from root/<name>/
+
+
+def check_budgets(shape: ModelShape, config: StoreConfig) -> None:
+    """Refuse, by name, a host or disk budget that cannot hold one adapter of the largest rank."""
+    for what, budget, dtype in (("adapter_cache.host_gb", config.host.budget_bytes, config.host.dtype),
+                                ("adapter_cache.disk_gb", config.disk.budget_bytes, torch.float32)):  # files: fp32
+        largest = adapter_bytes(shape, config.max_rank, dtype)
+        if budget < largest:
+            raise ValueError(f"{what} ({budget} bytes) holds no adapter: one of rank {config.max_rank} on "
+                             f"every module takes {largest} bytes")
 
 
 def _done(result=None, error: BaseException | None = None) -> Future:
@@ -134,6 +150,32 @@ class AdapterStore:
                 "disk_bytes": self._disk.nbytes if self._disk else 0, "loading": self._flights.running(),
                 **self.metrics.snapshot()}
 
+    def tiers(self, pool=None) -> dict:
+        """Per tier (gpu when a LoraPool is given, host, disk): resident adapters, bytes, budget,
+        hits / misses / loads / evictions; and the load-seconds histogram by source."""
+        counts, disk = self.metrics.snapshot(), self._disk
+        tier = lambda t: {e: int(counts.get(f"{t}.{e}", 0)) for e in ("hit", "miss", "eviction")}  # noqa: E731
+        out = {"host": {"resident": len(self.host), "bytes": self.host.nbytes,
+                        "budget_bytes": self.config.host.budget_bytes, "load": int(counts.get("load.disk", 0)
+                        + counts.get("load.s3", 0) + counts.get("load.local", 0)), **tier("host")},
+               "disk": {"resident": len(disk) if disk else 0, "bytes": disk.nbytes if disk else 0,
+                        "budget_bytes": self.config.disk.budget_bytes, "load": int(counts.get("load.s3", 0)),
+                        **tier("disk")}}
+        if pool is not None:
+            out["gpu"] = {"resident": len(pool.resident()), "pinned": pool.pinned(), "slots": pool.config.num_slots,
+                          "bytes": len(pool.resident()) * pool.slot_bytes,
+                          "budget_bytes": pool.config.num_slots * pool.slot_bytes, "hit": pool.hits,
+                          "miss": pool.misses, "load": pool.loads, "eviction": pool.evictions}
+        self.metrics.publish(out)
+        return {**out, "load_seconds": self.metrics.histograms()}
+
+    def describe(self) -> dict:
+        """The store's configuration as it runs: source and each tier's budget."""
+        c = self.config
+        return {"source": c.default_root, "host_budget_bytes": c.host.budget_bytes,
+                "disk_budget_bytes": c.disk.budget_bytes, "disk_dir": str(c.disk.root), "miss_ttl_s": c.miss_ttl_s,
+                "max_rank": c.max_rank}
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -192,10 +234,8 @@ class AdapterStore:
         return S3Source(location, self._s3_client, self._disk, self.config.s3)
 
     def _snapshot(self, name: str, gen: int, source: Source) -> Snapshot:
-        with self._lock:
-            snap = self._snapshots.get(name)
-        if snap is not None and snap[0] == gen:
-            return snap[1]
+        """The name's current content version, asked of the source on every cold load: a
+        changed object becomes a new (name, version) key in every tier."""
         snap = source.snapshot()
         self._remember(name, gen, snap=snap)
         return snap
@@ -222,8 +262,10 @@ class AdapterStore:
             return weights
         except (AdapterNotFoundError, InvalidAdapterError, SourceChangedError) as exc:
             self.metrics.error(type(exc).__name__)
+            if isinstance(exc, AdapterNotFoundError) and name not in self._uris:  # on demand: the asker is a tenant
+                exc = AdapterNotFoundError(f"adapter {name!r} does not exist")
             self._remember(name, gen, error=exc)
-            raise
+            raise exc from None
         except AdapterFetchError:
             self.metrics.error(AdapterFetchError.__name__)  # one counter for every kind of transient failure
             raise

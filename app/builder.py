@@ -34,9 +34,10 @@ def app_from_args(args: dict | None, engine_factory: Callable = build_async_engi
     else:
         check_checkpoint(settings.model)  # an architecture feature the engine lacks stops `serve run` here
     adapters = tuple(scan(settings.adapter_dirs))
-    registry = AdapterRegistry.bind(list(adapters), settings.registry_path)
+    registry = AdapterRegistry.bind(list(adapters), settings.registry_path, settings.adapter_store.default_root)
     replica = LoraReplica.options(**settings.replica_options).bind(
-        ReplicaSettings(settings.model, settings.engine, adapters, _single_replica(settings.replica_options)),
+        ReplicaSettings(settings.model, settings.engine, adapters, _single_replica(settings.replica_options),
+                        settings.adapter_store),
         registry, engine_factory)
     return Ingress.options(**settings.ingress_options).bind(settings, replica, registry)
 

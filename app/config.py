@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from adapters_store.errors import AdapterUriError
 from adapters_store.paths import parse_uri
+from adapters_store.store import StoreConfig
+from app.adapter_args import AdapterCacheArgs, store_config
 from app.engine.config import EngineConfig
 from app.tp_serve import tensor_parallel_options
 from cluster.autoscaling import ray_autoscaling_config
@@ -95,6 +97,8 @@ class AppArgs(_Strict):
     admin_key: str | None = Field(None, min_length=8)
     max_body_bytes: int = Field(4 * 2**20, ge=1024)  # a larger request body is refused with a 413
     registry_path: str | None = Field(None, min_length=1)  # local file or s3://bucket/key: runtime registrations persist
+    adapter_source: str | None = Field(None, min_length=1)  # s3://bucket/prefix/ or a directory: names load on demand
+    adapter_cache: AdapterCacheArgs = AdapterCacheArgs()  # host / disk tiers' budgets (app/adapter_args.py)
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class Settings:
     max_migrations: int = 8
     failover_wait_s: float = 60.0
     adapter_roots: tuple[str, ...] = ("s3://",)
+    adapter_store: StoreConfig = StoreConfig()  # tiers and on-demand source (its default_root)
 
 
 def _describe(error: ValidationError) -> str:
@@ -217,6 +222,10 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         device=a.device, max_model_len=a.max_model_len, tensor_parallel_size=a.tensor_parallel_size,
         cuda_graphs=a.cuda_graphs,
     )
+    try:
+        adapter_store = store_config(a.adapter_cache, a.adapter_source, a.max_lora_rank)
+    except ValueError as exc:
+        raise ConfigError(f"invalid serve_config.yaml args:\n  {exc}") from None
     name = a.model_name or (Path(a.model).name if a.model else default_model_name)
     dirs = _adapter_dirs(a.adapter_dirs)
     keys = tuple(ApiKey(k.key, frozenset(k.adapters) if k.adapters is not None else None) for k in a.api_keys)
@@ -230,4 +239,5 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         max_body_bytes=a.max_body_bytes, registry_path=a.registry_path,
         max_migrations=a.cluster.max_migrations, failover_wait_s=a.cluster.failover_wait_s,
         adapter_roots=_adapter_roots(a.adapter_roots, dirs),
+        adapter_store=adapter_store,
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ray import serve
 
+from adapters_store.paths import NAME
 from app.errors import RegistryUnavailableError
 from app.registry_store import FORMAT, open_store
 
@@ -29,6 +30,7 @@ class AdapterSpec:
     path: str  # a local PEFT directory (or an s3:// URI the AdapterStore reads)
     serial: int  # the registry epoch of its registration: registering a name again is a new spec
     version: str | None = None  # the content version the validating load resolved
+    on_demand: bool = False  # not registered: the replicas' stores resolve it under adapter_source
 
 
 def scan(dirs) -> list[AdapterSpec]:
@@ -47,8 +49,9 @@ def scan(dirs) -> list[AdapterSpec]:
 @serve.deployment(name="AdapterRegistry", num_replicas=1,
                   ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}})
 class AdapterRegistry:
-    def __init__(self, initial: list[AdapterSpec], location: str | None = None):
-        """location: registry_path (None: in memory only)."""
+    def __init__(self, initial: list[AdapterSpec], location: str | None = None, source: str | None = None):
+        """location: registry_path (None: in memory only); source: adapter_source (None: registered names only)."""
+        self._source = source
         self._specs = {s.name: s for s in initial}
         self._scanned = set(self._specs)
         self._epoch = 0
@@ -80,7 +83,12 @@ class AdapterRegistry:
         self._added, self._removed = added, removed
 
     def lookup(self, name: str) -> tuple[AdapterSpec | None, int]:
-        return self._specs.get(name), self._epoch
+        """A registered name's spec; else, with an adapter_source, an on-demand spec (no I/O here:
+        the replica's store looks it up once and remembers a missing name for miss_ttl_s)."""
+        spec = self._specs.get(name)
+        if spec is None and self._source is not None and NAME.match(name):
+            spec = AdapterSpec(name, self._source.rstrip("/") + "/" + name, 0, on_demand=True)
+        return spec, self._epoch
 
     def list(self) -> tuple[list[AdapterSpec], int]:
         return sorted(self._specs.values(), key=lambda s: s.name), self._epoch

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Callable
 
 from ray import serve
 
+from adapters_store.store import AdapterStore, StoreConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine_metrics import EngineMetrics
@@ -34,17 +35,22 @@ class ReplicaSettings:
     engine: EngineConfig
     adapters: tuple[AdapterSpec, ...]  # registered at start-up
     migrate_locally: bool = True  # a preempted request re-queues here; False: it moves to another replica
+    store: StoreConfig = StoreConfig()  # adapter tiers' budgets and the on-demand source
 
 
 def build_async_engine(settings: ReplicaSettings) -> AsyncEngine:
     from app.engine.factory import build_engine
 
-    core = build_engine(settings.model, settings.engine, {s.name: s.path for s in settings.adapters})
+    core = build_engine(settings.model, settings.engine, {s.name: s.path for s in settings.adapters},
+                        store_config=settings.store)
     return AsyncEngine(core, migrate_locally=settings.migrate_locally)
 
 
 def _stats(core) -> dict:
-    return {**core.stats(), "adapters": core.adapters.names()}
+    stats = {**core.stats(), "adapters": core.adapters.names()}
+    if isinstance(core.adapters, AdapterStore):  # a simulated core (app/engine/simulated.py) has none
+        stats["adapter_store"] = {**core.adapters.describe(), "tiers": core.adapters.tiers(core.model.lora_pool)}
+    return stats
 
 
 @serve.deployment(name="LoraReplica")
@@ -146,8 +152,9 @@ class LoraReplica:
 
     def _ensure(self, spec: AdapterSpec) -> None:
         """Register what the registry says under this name (a new serial = re-registered); the
-        engine loads it (off its thread, through the store's caches) when the request arrives."""
-        if self.specs.get(spec.name) != spec:
+        engine loads it (off its thread, through the store's caches) when the request arrives.
+        An on-demand name needs nothing: the store resolves it under its source on a cold load."""
+        if not spec.on_demand and self.specs.get(spec.name) != spec:
             self.store.register(spec.name, spec.path)
             self.specs[spec.name] = spec
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -75,3 +76,14 @@ def store_config(endpoint_url: str, root: Path, **overrides):
 
     s3_cfg = S3Config(endpoint_url=endpoint_url, connect_timeout_s=1.0, read_timeout_s=1.0, max_attempts=2)
     return StoreConfig(**{"max_rank": 16, "disk": DiskCacheConfig(root / "cache"), "s3": s3_cfg, **overrides})
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """For the tiny model's engine tests (autouse where imported): a hidden size of 64 gains nothing
+    from a second thread, and on a busy 2-core box two threads spin-waiting on each other make
+    each step ~100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

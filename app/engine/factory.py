@@ -1,11 +1,11 @@
 """Build an engine from a base model (a checkpoint directory, .gguf file or s3://…; default: the embedded SmolLM2)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from adapters_store.gpu_pool import LoraPool, PoolConfig, slots_for_budget
-from adapters_store.host_cache import HostCacheConfig
-from adapters_store.store import AdapterStore, StoreConfig
+from adapters_store.store import AdapterStore, StoreConfig, check_budgets
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.model.config import ModelConfig
@@ -22,15 +22,20 @@ def load_tokenizer(path: Path):
 
 
 def build_engine(model_path: str | Path | None = None, config: EngineConfig = EngineConfig(),
-                 adapters: dict[str, str] | None = None, tokenizer="auto", store: AdapterStore | None = None) -> EngineCore:
+                 adapters: dict[str, str] | None = None, tokenizer="auto", store: AdapterStore | None = None,
+                 store_config: StoreConfig = StoreConfig()) -> EngineCore:
     """An EngineCore for a checkpoint of a supported family (app/model/family.py; found by
     app/model/source.py). ``adapters`` (name → local directory or s3:// URI) are registered in
-    ``store`` (default: a new AdapterStore) and loaded once now, so a bad one fails at start-up."""
+    ``store`` (default: a new AdapterStore made from ``store_config``, its rank and dtype the
+    engine's) and loaded once now, so a bad one fails at start-up."""
     from transformers import AutoConfig
 
     path = resolve_model(model_path)
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
-    store = store or AdapterStore(cfg.shape, StoreConfig(max_rank=config.max_lora_rank, host=HostCacheConfig(dtype=config.dtype)))
+    if store is None:
+        store_config = replace(store_config, max_rank=config.max_lora_rank, host=replace(store_config.host, dtype=config.dtype))
+        check_budgets(cfg.shape, store_config)
+        store = AdapterStore(cfg.shape, store_config)
     tp = config.tensor_parallel_size
     shape = cfg.shape if tp == 1 else shard_config(cfg, tp).shape  # a GPU's slots hold adapter shards
     slots = config.max_loras if config.lora_memory_bytes is None else \

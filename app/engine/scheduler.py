@@ -1,7 +1,9 @@
 """Continuous batching: FCFS admission bounded by batch size, tokens per step,
 free KV blocks and adapter slots; preempt the newest request when KV runs out (cached
 prefix blocks count as free: they are evicted first). A request admitted with a cached
-prefix (app/engine/prefix_cache.py) starts with those blocks, its prefill after them."""
+prefix (app/engine/prefix_cache.py) starts with those blocks, its prefill after them.
+A request whose adapter finds every slot pinned waits without blocking others,
+until it has waited MAX_SLOT_WAIT_STEPS schedules (aging, see ``_starving``)."""
 from __future__ import annotations
 
 from collections import deque
@@ -24,6 +26,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+MAX_SLOT_WAIT_STEPS = 64
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, allocator: BlockAllocator, pool, prefix: PrefixCache | None = None):
         self.config = config
@@ -32,8 +37,11 @@ class Scheduler:
         self.prefix = prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
+        self._clock = 0  # schedules so far
+        self._slot_wait: dict[Sequence, int] = {}  # waiting request → the schedule that first found no slot for it
 
     def schedule(self) -> Schedule:
+        self._clock += 1
         out = Schedule()
         budget = self.config.max_tokens_per_step
         for seq in list(self.running):
@@ -58,6 +66,7 @@ class Scheduler:
 
     def free(self, seq: Sequence) -> None:
         """Return a request's KV blocks and adapter pin (finish, abort, preemption)."""
+        self._slot_wait.pop(seq, None)
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = seq.num_published = 0
@@ -102,8 +111,11 @@ class Scheduler:
             if not ready:
                 self._unmatch(seq)
                 skipped.append(seq)
+                if seq.lora_slot < 0 and self._starving(seq):
+                    break
                 continue
             self._start(seq)
+            self._slot_wait.pop(seq, None)
             n = min(seq.num_uncomputed, budget)
             seq.block_table += self.allocator.allocate(blocks_for(seq.num_computed + n, self.config.block_size)
                                                        - len(seq.block_table))
@@ -130,6 +142,14 @@ class Scheduler:
         seq.num_computed += n
         if self.prefix:
             self.prefix.publish(seq)
+
+    def _starving(self, seq: Sequence) -> bool:
+        """Aging: once a request has found every slot pinned for MAX_SLOT_WAIT_STEPS schedules,
+        nothing behind it is admitted (those would keep slots pinned), so the running requests
+        drain, a slot unpins and this request, ahead of the others, takes it. Its wait is thus
+        bounded by MAX_SLOT_WAIT_STEPS + the steps the running requests still need."""
+        since = self._slot_wait.setdefault(seq, self._clock)
+        return self._clock - since >= MAX_SLOT_WAIT_STEPS
 
     def _adapter_ready(self, seq: Sequence) -> bool:
         """Pin a slot for the request's adapter (starting its copy) and say whether the copy is done."""
