@@ -16,6 +16,7 @@ or the next turn of a conversation, finds them.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from array import array
@@ -31,7 +32,16 @@ RECENT_HEADS = 64  # prefix heads a replica reports to the router
 def model_key(cfg) -> str:
     """The base model's part of every root key: its configuration (one engine serves one base
     model, and its KV cache lives in that engine)."""
-    return json.dumps({k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in vars(cfg).items()}, sort_keys=True)
+    return json.dumps(vars(cfg), sort_keys=True, default=_plain)
+
+
+def _plain(value):
+    """JSON for the config's tensors (inv_freq) and nested dataclasses (the family's traits)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} in the model config has no key form")
 
 
 def root_key(model_key: str, adapter, block_size: int) -> bytes:
