@@ -189,3 +189,18 @@ def _check_blocks(engine):
             held[b] += 1
     assert held == a._refs, "a block's references differ from the tables that hold it"
     assert not any(s.block_table for s in engine.scheduler.waiting)
+
+
+def test_allocator_takes_empty_blocks_then_evicts_a_prefix_tail_first():
+    from app.engine.kv_cache import BlockAllocator
+
+    a = BlockAllocator(6)
+    table = a.allocate(4)
+    a.cache(table[0], b"head")
+    a.cache(table[1], b"tail")
+    a.free(table)
+    assert (a.num_free, a.num_cached) == (6, 2)
+    a.allocate(5)  # the 4 empty blocks, then one cached: the table's tail before its head
+    assert a.lookup([b"tail"]) == [] and a.lookup([b"head", b"tail"]) == [table[0]]
+    assert a.num_free == 0
+    a.check()
