@@ -149,14 +149,14 @@ def test_random_arrivals_finishes_and_aborts_leak_no_block(tiny_model_dir, adapt
     rng = random.Random(seed)
     systems = [_tokens(rng, rng.randint(4, 14)) for _ in range(3)]
     reqs = [GenerateRequest(f"r{i}", tuple(rng.choice(systems) + _tokens(rng, rng.randint(1, 6))),
-                            SamplingParams(max_tokens=rng.randint(1, 20), temperature=rng.choice([0.0, 0.8]), seed=i),
-                            rng.choice(["a1", "a2", None])) for i in range(18)]
-    arrive = {i: rng.randint(0, 40) for i in range(len(reqs))}
-    aborts = {rng.randint(0, 50): f"r{rng.randrange(len(reqs))}" for _ in range(4)}
-    engine = _engine(tiny_model_dir, adapters, num_kv_blocks=24, max_num_seqs=5, max_tokens_per_step=24,
-                     prefix_cache_max_blocks=[None, 6, 0][seed])
-    by_id, outputs, aborted, step = {r.request_id: r for r in reqs}, {}, set(), 0
-    while engine.has_work() or step <= 50:
+                            SamplingParams(max_tokens=rng.randint(1, 14), temperature=rng.choice([0.0, 0.8]), seed=i),
+                            rng.choice(["a1", "a2", None])) for i in range(12)]
+    arrive = {i: rng.randint(0, 12) for i in range(len(reqs))}
+    aborts = {rng.randint(0, 30): f"r{rng.randrange(len(reqs))}" for _ in range(3)}
+    engine = _engine(tiny_model_dir, adapters, num_kv_blocks=14, max_num_seqs=5, max_tokens_per_step=24,
+                     prefix_cache_max_blocks=[None, 4, 0][seed])
+    by_id, outputs, aborted, step, preempted = {r.request_id: r for r in reqs}, {}, set(), 0, 0
+    while engine.has_work() or step <= 30:
         for i, k in arrive.items():
             if k == step:
                 engine.add(reqs[i])
@@ -165,12 +165,14 @@ def test_random_arrivals_finishes_and_aborts_leak_no_block(tiny_model_dir, adapt
         for c in engine.step():
             if hasattr(c, "seed"):
                 engine.add(by_id[c.request_id].resumed(c))
+                preempted += 1
             else:
                 outputs.setdefault(c.request_id, []).extend(c.token_ids)
         _check_blocks(engine)
         step += 1
         assert step < 2000
-    assert engine.allocator.num_free == 24
+    assert preempted, "the small cache should have forced a preemption"
+    assert engine.allocator.num_free == 14
     if seed == 2:
         assert engine.allocator.num_cached == 0
     done = {rid: r for rid, r in by_id.items() if rid not in aborted}
@@ -187,3 +189,18 @@ def _check_blocks(engine):
             held[b] += 1
     assert held == a._refs, "a block's references differ from the tables that hold it"
     assert not any(s.block_table for s in engine.scheduler.waiting)
+
+
+def test_allocator_takes_empty_blocks_then_evicts_a_prefix_tail_first():
+    from app.engine.kv_cache import BlockAllocator
+
+    a = BlockAllocator(6)
+    table = a.allocate(4)
+    a.cache(table[0], b"head")
+    a.cache(table[1], b"tail")
+    a.free(table)
+    assert (a.num_free, a.num_cached) == (6, 2)
+    a.allocate(5)  # the 4 empty blocks, then one cached: the table's tail before its head
+    assert a.lookup([b"tail"]) == [] and a.lookup([b"head", b"tail"]) == [table[0]]
+    assert a.num_free == 0
+    a.check()

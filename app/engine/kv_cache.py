@@ -38,8 +38,9 @@ class BlockAllocator:
         """n blocks for new KV: empty ones first, then the least recently used cached ones."""
         if n > self.num_free:
             raise MemoryError(f"{n} KV blocks asked, {self.num_free} free")
-        taken = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
+        k = len(self._free) - min(n, len(self._free))
+        taken = self._free[k:][::-1]
+        del self._free[k:]
         while len(taken) < n:
             block, _ = self._unused.popitem(last=False)
             self._forget(block)
