@@ -291,7 +291,7 @@ def test_scale_down_moves_streams_off_the_stopped_replica(cluster):
     running = asyncio.Event()
 
     async def note(stream, chunk):
-        if len(stream.token_ids) == 10:
+        if len(stream.token_ids) >= 10:  # an item may carry several tokens
             running.set()
 
     async def go():
@@ -319,7 +319,7 @@ def test_single_replica_failover_waits_for_the_replacement(cluster):
     killed = []
 
     async def kill_once(stream, chunk):
-        if not killed and len(stream.token_ids) == 20:
+        if not killed and len(stream.token_ids) >= 20:  # an item may carry several tokens
             killed.append(stream.replica)
             ray.kill(replica_actor("pack", stream.replica), no_restart=True)
 
