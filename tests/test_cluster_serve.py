@@ -246,12 +246,14 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
 
     async def maybe_kill(stream, chunk):
         n = len(stream.token_ids)
-        others = sum(k != "edge" for _, k in kills)
-        due = stream.replica is not None and (
-            (stream.request is edge and n == PACK_LEN - 7)  # at its last token
-            or (stream.request is not edge and others < 4 and n in (20, 50) and time.monotonic() > kills_at[0]))
-        if due and stream.replica not in [r for r, _ in kills]:
-            kills.append((stream.replica, stream.request.request_id))
+        crossed = lambda x: n - len(chunk.token_ids) < x <= n  # noqa: E731 (an item may carry several tokens)
+        others = sum(k != "edge" for _, k, _ in kills)
+        due = stream.replica is not None and not chunk.finish_reason and (
+            (stream.request is edge and crossed(PACK_LEN - 7))  # at its last token (or the item holding it)
+            or (stream.request is not edge and others < 4 and (crossed(20) or crossed(50))
+                and time.monotonic() > kills_at[0]))
+        if due and stream.replica not in [r for r, _, _ in kills]:
+            kills.append((stream.replica, stream.request.request_id, n))
             kills_at[0] = time.monotonic() + 1.0
             ray.kill(replica_actor("pack", stream.replica), no_restart=True)
 
@@ -261,7 +263,7 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
                                       for r in requests))
 
     results = asyncio.run(go())
-    assert len(kills) == 5, kills
+    assert sum(k != "edge" for _, k, _ in kills) == 4, kills
     reference = Reference(cluster["model"], cluster["adapters"], block_size=16)
     for request, (stream, chunks) in zip(requests, results):
         want = reference(request)
@@ -270,8 +272,11 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
             assert got == [t for c in want for t in c.token_ids][:len(got)], request.request_id
         else:
             _assert_same(chunks, want, request.request_id)
-    assert ("failover", PACK_LEN - 7) in results[-1][0].moves
-    assert sum(r == "failover" for s, _ in results for r, _ in s.moves) >= 5
+    # the edge's replica is killed at its last token, unless the item that brought token
+    # PACK_LEN - 7 also ended the stream (coalesced under load: then it finished there)
+    if any(k == "edge" for _, k, _ in kills):
+        assert ("failover", PACK_LEN - 7) in results[-1][0].moves
+    assert sum(r == "failover" for s, _ in results for r, _ in s.moves) >= len(kills)
     assert wait_for(lambda: len(replica_ids("pack")) == 3, timeout=90)
     assert _idle("pack")
 
@@ -286,7 +291,7 @@ def test_scale_down_moves_streams_off_the_stopped_replica(cluster):
     running = asyncio.Event()
 
     async def note(stream, chunk):
-        if len(stream.token_ids) == 10:
+        if len(stream.token_ids) >= 10:  # an item may carry several tokens
             running.set()
 
     async def go():
@@ -314,7 +319,7 @@ def test_single_replica_failover_waits_for_the_replacement(cluster):
     killed = []
 
     async def kill_once(stream, chunk):
-        if not killed and len(stream.token_ids) == 20:
+        if not killed and len(stream.token_ids) >= 20:  # an item may carry several tokens
             killed.append(stream.replica)
             ray.kill(replica_actor("pack", stream.replica), no_restart=True)
 
