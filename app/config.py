@@ -88,6 +88,8 @@ class AppArgs(_Strict):
     max_model_len: int | None = Field(None, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)  # GPUs one replica's model is sharded over
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start-up (false: eager, for debugging)
+    prefix_caching: bool = True  # share full KV blocks of equal (adapter version, token prefix) across requests
+    prefix_cache_max_blocks: int | None = Field(None, ge=0)  # unreferenced cached blocks kept at most; None: any free block
     adapter_dirs: list[str] = []
     adapter_roots: list[str] | None = None  # where registrations may point; None: adapter_dirs and s3://
     replica: DeploymentArgs = DeploymentArgs()
@@ -220,7 +222,7 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         block_size=a.block_size, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank, dtype=_DTYPES[a.dtype],
         lora_memory_bytes=None if a.lora_memory_gb is None else int(a.lora_memory_gb * 2**30),
         device=a.device, max_model_len=a.max_model_len, tensor_parallel_size=a.tensor_parallel_size,
-        cuda_graphs=a.cuda_graphs,
+        cuda_graphs=a.cuda_graphs, prefix_caching=a.prefix_caching, prefix_cache_max_blocks=a.prefix_cache_max_blocks,
     )
     try:
         adapter_store = store_config(a.adapter_cache, a.adapter_source, a.max_lora_rank)

@@ -108,3 +108,12 @@ def test_the_shipped_configs_keep_streams_and_registrations():
     assert {d["name"]: d["num_replicas"] for d in cpu["deployments"]} == {"LoraReplica": 1, "Ingress": 1}
     tight = parse_args({"replica": {"graceful_shutdown_timeout_s": 30}}, "base")
     assert tight.replica_options["graceful_shutdown_timeout_s"] == 30
+
+
+def test_prefix_cache_keys_reach_the_engine():
+    on = parse_args({}, "m").engine
+    off = parse_args({"prefix_caching": False, "prefix_cache_max_blocks": 4}, "m").engine
+    assert (on.prefix_caching, on.prefix_cache_max_blocks) == (True, None)
+    assert (off.prefix_caching, off.prefix_cache_max_blocks) == (False, 4)
+    with pytest.raises(ConfigError, match="prefix_cache_max_blocks"):
+        parse_args({"prefix_cache_max_blocks": -1}, "m")
