@@ -1,4 +1,6 @@
+import inspect
 import os
+import re
 
 import pytest
 import torch
@@ -6,13 +8,32 @@ import torch
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 
+# A test that starts Ray (directly or through a fixture) is in the `serve` tier:
+# `pytest -m "not serve"` is the quick loop. Found from the source of the test and of every
+# fixture it uses, so a new Serve test joins the tier without anyone remembering to mark it.
+# (The tests that start the `serve` CLI in a subprocess carry the marker themselves.)
+_STARTS_RAY = re.compile(r"\b(serving|ray\.init|serve\.run|serve\.start|Cluster|deploy_replicas)\(")
+
+
+def _starts_ray(item) -> bool:
+    funcs = [item.function] + [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+    for func in funcs:
+        try:
+            source = inspect.getsource(func)
+        except (OSError, TypeError):  # built-in fixtures
+            continue
+        if _STARTS_RAY.search(source):
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run on the device machine)")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device (run on the device machine)")
     for item in items:
-        if "gpu" in item.keywords:
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+        if isinstance(item, pytest.Function) and _starts_ray(item):
+            item.add_marker(pytest.mark.serve)
 
 
 @pytest.fixture(scope="session")

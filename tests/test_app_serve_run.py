@@ -14,6 +14,8 @@ from app.model.default import DEFAULT_MODEL_NAME as BASE
 from tests.app_fixtures import CONFIG, REPO, example_adapter_names, wait_for
 from tests.error_hygiene import checked_openai
 
+pytestmark = pytest.mark.serve  # starts the `serve` CLI in a subprocess
+
 COMMAND = "serve run serve_config.yaml"
 
 

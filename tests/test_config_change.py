@@ -19,6 +19,8 @@ from tests.app_fixtures import CONFIG, REPO, free_port, wait_for
 from tests.cluster_fixtures import make_tiny_chat_llama
 from tests.sse_client import errors, finish, start_streams
 
+pytestmark = pytest.mark.serve  # starts the `serve` CLI in a subprocess
+
 STREAMS = 8
 MAX_TOKENS = 240  # the tiny model's context is 256
 PROMPTS = [f"Story {i}: once upon a time" for i in range(STREAMS)]
