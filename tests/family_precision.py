@@ -18,25 +18,31 @@ from app.protocol import GenerateRequest, SamplingParams
 
 
 def engine_logits(engine, tokens: list[int], adapter: str | None = None) -> torch.Tensor:
-    """The engine's logits [len(tokens), vocab] (fp32) at every position of ``tokens``, computed
-    as one prefill through the runner's own step builder (the paged one where the runner uses it).
-    The engine must be idle: the sequence takes the KV cache's first blocks."""
-    runner, bs = engine.runner, engine.config.block_size
-    model, pool = runner.model, runner.model.lora_pool
-    request = GenerateRequest("precision", tuple(tokens), SamplingParams(max_tokens=1, temperature=0.0), adapter)
+    """The engine's logits [len(tokens), vocab] (fp32) at every position of ``tokens``, as served:
+    the first half in one prefill step through the runner's own step builder (the paged one where
+    the runner uses it), then one decode step per token through ``runner.run`` (on CUDA a CUDA
+    graph replay). The engine must be idle: the sequence takes the KV cache's first blocks."""
+    runner, bs, n = engine.runner, engine.config.block_size, len(tokens)
+    model, pool, prefill = runner.model, runner.model.lora_pool, len(tokens) // 2
+    request = GenerateRequest("precision", tuple(tokens[:prefill]), SamplingParams(max_tokens=n, temperature=0.0), adapter)
     seq = Sequence(request, 0, 0, engine.adapters.get(adapter) if adapter else None)
-    seq.block_table = list(range(-(-len(tokens) // bs)))
+    seq.block_table = list(range(-(-n // bs)))
     if seq.adapter is not None:
         seq.lora_slot = pool.acquire(seq.adapter)
         while not pool.ready(seq.lora_slot):
             pass
     try:
         if runner.paged:
-            inputs, _ = build_paged_step([(seq, len(tokens))], pool, bs, engine.config.device, model.cfg.num_kv_heads)
+            inputs, _ = build_paged_step([(seq, prefill)], pool, bs, engine.config.device, model.cfg.num_kv_heads)
         else:
-            inputs, _ = build_step([(seq, len(tokens))], pool, bs, engine.config.device)
-        inputs = dataclasses.replace(inputs, sample_rows=torch.arange(len(tokens), device=inputs.token_ids.device))
-        return model.forward(inputs, runner.kv).float()
+            inputs, _ = build_step([(seq, prefill)], pool, bs, engine.config.device)
+        inputs = dataclasses.replace(inputs, sample_rows=torch.arange(prefill, device=inputs.token_ids.device))
+        rows = [model.forward(inputs, runner.kv).float()]
+        for token in tokens[prefill:]:
+            seq.num_computed = seq.num_tokens
+            seq.output_ids.append(token)
+            rows.append(runner.run([(seq, 1)])[0].float().clone())  # a graph's logits buffer is reused
+        return torch.cat(rows)
     finally:
         if seq.adapter is not None:
             pool.release((seq.adapter.name, seq.adapter.version))

@@ -49,9 +49,10 @@ def test_family_mixed_batch_equals_hf_peft(family):
 
 
 def test_family_bf16_logits_as_close_to_fp32_as_hf(family):
-    """In bf16, the engine's logits (base and adapter, teacher-forced past the window) lie no farther
-    from HF's fp32 logits than HF's own bf16 logits do (within 25 %): no step computed in a lower
-    precision or a lossier order than HF's. Greedy equality in bf16 would be decided by near-ties."""
+    """In bf16, the engine's logits (base and adapter, teacher-forced through a prefill step and
+    decode steps past the window) lie no farther from HF's fp32 logits than HF's own bf16 logits
+    do (within 25 %): no step computed in a lower precision or a lossier order than HF's. Greedy
+    equality in bf16 would be decided by near-ties (docs/models.md)."""
     name, model_dir, adapters = family
     rng = random.Random(5)
     cfg = EngineConfig(max_lora_rank=8, max_loras=2, num_kv_blocks=32, block_size=4, dtype=torch.bfloat16)
