@@ -67,6 +67,6 @@ def errors_from_fp32(engine, path, adapter_dirs: dict, tokens: list[int], adapte
     ours = engine_logits(engine, tokens, adapter)
     hf = hf_logits(path, adapter_dir, tokens, dtype, device)
     ref = hf_logits(path, adapter_dir, tokens, torch.float32, device)
-    err = lambda x: float((x - ref).abs().amax(-1).mean())  # noqa: E731
-    agree = lambda x: float((x.argmax(-1) == ref.argmax(-1)).float().mean())  # noqa: E731
+    err = lambda x: float((x - ref).abs().amax(-1).mean())
+    agree = lambda x: float((x.argmax(-1) == ref.argmax(-1)).float().mean())
     return (err(ours), err(hf)), (agree(ours), agree(hf))

@@ -10,7 +10,12 @@ import torch
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.protocol import GenerateRequest, SamplingParams
-from tests.family_fixtures import FAMILIES, WINDOW, hf_family_greedy, make_family_checkpoint
+from tests.family_fixtures import (
+    FAMILIES,
+    WINDOW,
+    hf_family_greedy,
+    make_family_checkpoint,
+)
 from tests.family_precision import errors_from_fp32
 from tests.helpers import make_random_adapter, run_to_completion
 
