@@ -1,7 +1,8 @@
 """Every supported family on a tiny random checkpoint made with HF's own config class, with two
 random PEFT adapters on every target module the family has: a mixed batch (base + both adapters)
 equals HF transformers + PEFT greedy token for token through prefill and decode, with contexts
-longer than the sliding window where the family has one."""
+longer than the sliding window where the family has one; and in bf16, logits as close to HF's fp32
+logits as HF's own bf16 logits are (tests/family_precision.py)."""
 import random
 
 import pytest
