@@ -8,6 +8,7 @@ from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from ops import paged_attention as pa
 from tests.family_fixtures import LLAMA_TARGETS, randomize_biases_and_norms
+from tests.family_precision import errors_from_fp32
 from tests.gpu.test_engine_gpu import check_mixed_batch_matches_peft
 from tests.gpu.test_paged_attention_gpu import BS, _cache, _prefill_rows, _rel, _tables
 from tests.helpers import make_random_adapter
@@ -63,6 +64,28 @@ def test_family_on_gpu_matches_peft(family_model, dtype):
     print(name)
     check_mixed_batch_matches_peft(engine, path, adapters, dtype, VOCAB, names=[None, "r8", "r16", None, "r8", "r16"],
                                    max_prompt=3 * WINDOW, attn_implementation="eager")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_family_on_gpu_as_close_to_fp32_as_hf(family_model, dtype):
+    """Teacher-forced over 3 windows, half in a prefill step, then one decode step per token (CUDA
+    graphs where the runner has them; the fused RoPE/KV and norm kernels, the SGMV add-on of split
+    fused adapters): the engine's logits lie no farther from HF's fp32 logits
+    than HF's own fp16/bf16 logits do (within 25 %), base and both adapters. Unlike greedy token
+    equality, this has no near-ties: at these head layouts HF's own bf16 argmax differs from its
+    fp32 argmax at 5-15 % of positions (measured on CPU for qwen2, mistral, phi3)."""
+    import random
+
+    name, path, adapters = family_model
+    engine = build_engine(path, EngineConfig(max_lora_rank=16, max_loras=2, num_kv_blocks=256, dtype=dtype, device="cuda"),
+                          {k: str(v) for k, v in adapters.items()}, tokenizer=None)
+    rng = random.Random(7)
+    tokens = [rng.randrange(VOCAB) for _ in range(3 * WINDOW)]
+    for adapter in (None, "r8", "r16"):
+        (ours, hf), (agree_ours, agree_hf) = errors_from_fp32(engine, path, adapters, tokens, adapter, dtype, "cuda")
+        print(name, dtype, adapter, f"mean max|logit - fp32|: ours {ours:.4f} HF {hf:.4f}; "
+              f"argmax = fp32's: ours {agree_ours:.3f} HF {agree_hf:.3f}")
+        assert ours <= 1.25 * hf, (name, adapter, ours, hf)
 
 
 def _ref(q, k, v, visible, scale, softcap):
