@@ -72,9 +72,10 @@ def test_engine_on_gpu_matches_peft(gpu_model, dtype):
 
 
 def check_mixed_batch_matches_peft(engine, path, adapters, dtype, vocab, names=None, max_prompt=60,
-                                   attn_implementation=None):
+                                   attn_implementation=None, min_exact=None):
     """The check above, for an engine over the checkpoint ``path`` with ``adapters`` registered;
-    one request per entry of ``names`` (adapter or None), prompts of 4 to max_prompt tokens."""
+    one request per entry of ``names`` (adapter or None), prompts of 4 to max_prompt tokens;
+    at least ``min_exact`` of them exact end to end (default: 3/4 in fp16, 1/2 in bf16)."""
     rng = random.Random(0)
     names = names or [None, *adapters, *adapters, None, "qv8", "all16"]
     jobs = [(f"g{i}", a, [rng.randrange(vocab) for _ in range(rng.randint(4, max_prompt))]) for i, a in enumerate(names)]
@@ -95,4 +96,6 @@ def check_mixed_batch_matches_peft(engine, path, adapters, dtype, vocab, names=N
     assert all(within for *_, within in report), report
     # bf16's 8-bit mantissa makes ties common over 24 tokens: on the H200, 6 of 10 were exact
     # (every divergence within HF's own bf16 error); fp16 keeps the stricter bar.
-    assert exact >= len(jobs) * (3 if dtype == torch.float16 else 2) // 4, report
+    if min_exact is None:
+        min_exact = len(jobs) * (3 if dtype == torch.float16 else 2) // 4
+    assert exact >= min_exact, report

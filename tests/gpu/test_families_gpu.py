@@ -57,13 +57,16 @@ def family_model(request, tmp_path_factory):
 def test_family_on_gpu_matches_peft(family_model, dtype):
     """As tests/gpu/test_engine_gpu.py: each generated token is HF+PEFT's greedy choice given the
     same prefix (HF with eager attention: the soft-capped one), except at a near-tie within HF's
-    own fp16/bf16 error; most requests exact. Prompts up to 3 windows long."""
+    own fp16/bf16 error. Prompts up to 3 windows long. No count of requests exact end to end is
+    required: at these head layouts HF's own half-precision argmax differs from its fp32 argmax at
+    2-24 % of positions, and the same runs on the CPU diverge at the same tokens (docs/models.md);
+    the tie-free bar is test_family_on_gpu_as_close_to_fp32_as_hf below."""
     name, path, adapters = family_model
     engine = build_engine(path, EngineConfig(max_lora_rank=16, max_loras=2, num_kv_blocks=256, dtype=dtype, device="cuda"),
                           {k: str(v) for k, v in adapters.items()}, tokenizer=None)
     print(name)
     check_mixed_batch_matches_peft(engine, path, adapters, dtype, VOCAB, names=[None, "r8", "r16", None, "r8", "r16"],
-                                   max_prompt=3 * WINDOW, attn_implementation="eager")
+                                   max_prompt=3 * WINDOW, attn_implementation="eager", min_exact=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
