@@ -27,6 +27,11 @@ class AdapterNotFoundError(AdapterError):
     """Nothing at the adapter's location, or no adapter of that name."""
 
 
+class UnknownAdapterError(AdapterNotFoundError):
+    """No adapter of that name: not registered, and none under the on-demand source. A tenant
+    asked for a model that does not exist (404), unlike a registered adapter whose files are gone."""
+
+
 class InvalidAdapterError(AdapterError):
     """The adapter exists but cannot be served (bad config, shapes, rank, files)."""
 

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from adapters_store.disk_cache import DiskCache, DiskCacheConfig
-from adapters_store.errors import AdapterError, AdapterFetchError, AdapterNotFoundError, InvalidAdapterError, SourceChangedError
+from adapters_store.errors import (AdapterError, AdapterFetchError, AdapterNotFoundError, InvalidAdapterError,
+                                   SourceChangedError, UnknownAdapterError)
 from adapters_store.gpu_pool import adapter_bytes
 from adapters_store.host_cache import HostCache, HostCacheConfig
 from adapters_store.manifest import parse_manifest
@@ -134,7 +135,7 @@ class AdapterStore:
         if failure is not None:
             return _done(error=type(failure)(*failure.args))  # a fresh exception: no shared traceback
         if location is None:
-            return _done(error=AdapterNotFoundError(f"adapter {name!r} does not exist"))
+            return _done(error=UnknownAdapterError(f"adapter {name!r} does not exist"))
         return self._flights.submit((name, gen), partial(self._load, name, gen, location))
 
     def get(self, name: str, timeout: float | None = None) -> LoraWeights:
@@ -263,7 +264,7 @@ class AdapterStore:
         except (AdapterNotFoundError, InvalidAdapterError, SourceChangedError) as exc:
             self.metrics.error(type(exc).__name__)
             if isinstance(exc, AdapterNotFoundError) and name not in self._uris:  # on demand: the asker is a tenant
-                exc = AdapterNotFoundError(f"adapter {name!r} does not exist")
+                exc = UnknownAdapterError(f"adapter {name!r} does not exist")
             self._remember(name, gen, error=exc)
             raise exc from None
         except AdapterFetchError:

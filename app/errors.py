@@ -2,13 +2,13 @@
 uses. Each is answered with the status and code app/http_errors.py gives its class."""
 from adapters_store.errors import (AdapterError, AdapterFetchError, AdapterNotFoundError, AdapterUriError,
                                    InvalidAdapterError, LoraplexError, SourceChangedError, SourceResponseError,
-                                   SourceTimeoutError, UnsafePathError)
+                                   SourceTimeoutError, UnknownAdapterError, UnsafePathError)
 
 __all__ = [
     "LoraplexError", "InvalidRequestError", "ContextLengthError", "BodyTooLargeError", "AuthenticationError",
     "PermissionDeniedError", "RegistryUnavailableError", "OverloadedError",
     "AdapterError", "AdapterNotFoundError", "InvalidAdapterError", "AdapterUriError", "UnsafePathError",
-    "AdapterFetchError", "SourceTimeoutError", "SourceResponseError", "SourceChangedError",
+    "AdapterFetchError", "SourceTimeoutError", "SourceResponseError", "SourceChangedError", "UnknownAdapterError",
 ]
 
 

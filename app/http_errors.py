@@ -14,7 +14,8 @@ from starlette.exceptions import HTTPException
 
 from app.errors import (AdapterError, AdapterFetchError, AdapterNotFoundError, AuthenticationError, BodyTooLargeError,
                         ContextLengthError, InvalidAdapterError, LoraplexError, OverloadedError,
-                        PermissionDeniedError, RegistryUnavailableError, SourceResponseError, SourceTimeoutError)
+                        PermissionDeniedError, RegistryUnavailableError, SourceResponseError, SourceTimeoutError,
+                        UnknownAdapterError)
 
 log = logging.getLogger("ray.serve")
 
@@ -116,6 +117,9 @@ def answer(exc: LoraplexError) -> JSONResponse:
     name = getattr(exc, "adapter", None)
     if not isinstance(exc, AdapterError) or name is None:
         return error_response(str(exc), *status_and_code(exc))
+    if isinstance(exc, UnknownAdapterError):  # worded as the ingress's own 404: nothing to learn from it
+        return error_response(f"The model `{name}` does not exist or you do not have access to it.", 404,
+                              "model_not_found")
     log.warning("adapter %r is unavailable: %s: %s", name, type(exc).__name__, exc)
     status, code = status_and_code(exc)
     if isinstance(exc, AdapterNotFoundError):  # registered, but its files are gone: the server's fault
