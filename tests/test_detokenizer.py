@@ -8,36 +8,12 @@ import pytest
 from app.engine.detokenizer import Detokenizer
 
 
-class FullDecode:
-    """The reference: decode the whole output every token."""
+class FullDecode(Detokenizer):
+    """The reference: the text of the whole output decoded every token (the same stop-string and
+    hold-back logic acts on it)."""
 
-    def __init__(self, tokenizer, stop, resumed_ids, sent=None):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.sent = len(self._decode(resumed_ids)) if sent is None else sent
-
-    def _decode(self, ids):
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
-
-    def update(self, ids, check_stop):
-        text = self._decode(ids)
-        if check_stop:
-            hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
-            if hits:
-                return self._release(text, min(hits)), True
-        safe = len(text) - self.hold
-        while safe > self.sent and text[safe - 1] == "\ufffd":
-            safe -= 1
-        return self._release(text, safe), False
-
-    def flush(self, ids):
-        return self._release(self._decode(ids), None)
-
-    def _release(self, text, end):
-        end = len(text) if end is None else end
-        delta = text[self.sent:end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return delta
+    def _text(self, ids):
+        return self._decode(ids)
 
 
 TEXTS = ["Hello, world! Ünïcödé façade — naïve café. 東京タワーは高い。 🤖🚀 emoji 👩‍💻 end.",
