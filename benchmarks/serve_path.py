@@ -43,17 +43,30 @@ WARMUP_S, MEASURE_S, ROUNDS = 5.0, 15.0, 2
 PROCESSES = {"replica": "ServeReplica:path:LoraReplica", "ingress": "ServeReplica:path:Ingress", "proxy": "ProxyActor"}
 
 
+def _pids() -> dict[str, str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return {name: pid for name, marker in PROCESSES.items()
+            for pid in [next((line.split()[0] for line in ps if marker in line), None)] if pid}
+
+
+def _cpu_seconds(pids: dict[str, str]) -> dict[str, float]:
+    """user + system CPU seconds each process has used so far (/proc/PID/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
 def _profile(dest: pathlib.Path, seconds: float) -> list[subprocess.Popen]:
     """py-spy (pip install py-spy) on the replica, the Ingress and the proxy for ``seconds``."""
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
     dest.mkdir(parents=True, exist_ok=True)
     procs = []
-    for name, marker in PROCESSES.items():
-        pid = next((line.split()[0] for line in ps if marker in line), None)
-        if pid:
-            procs.append(subprocess.Popen(["py-spy", "record", "-d", str(int(seconds)), "-r", "50", "-f", "raw", "-o",
-                                           str(dest / f"{name}.txt"), "-p", pid], stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL))
+    for name, pid in _pids().items():
+        procs.append(subprocess.Popen(["py-spy", "record", "-d", str(int(seconds)), "-r", "50", "-f", "raw", "-o",
+                                       str(dest / f"{name}.txt"), "-p", pid], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
     return procs
 
 
@@ -92,13 +105,18 @@ def run_variant(label: str, profile: pathlib.Path | None) -> dict:
     t0 = time.monotonic() + WARMUP_S
     body = itertools.repeat(completion_body([11, 22, 33, 44], MAX_TOKENS, "base"))
 
+    cpu: dict[str, float] = {}
+
     async def load():
         clients = asyncio.gather(*(http_client(port, body, t0 + MEASURE_S, records) for _ in range(CLIENTS)))
-        if profile:
-            await asyncio.sleep(WARMUP_S)
-            spies = _profile(profile, MEASURE_S - 2)
+        await asyncio.sleep(WARMUP_S)
+        pids = _pids()
+        spies = _profile(profile, MEASURE_S - 2) if profile else []
+        start = _cpu_seconds(pids)
+        await asyncio.sleep(MEASURE_S)
+        cpu.update({k: v - start[k] for k, v in _cpu_seconds(pids).items()})
         await clients
-        return spies if profile else []
+        return spies
 
     for spy in asyncio.run(load()):
         spy.wait()
@@ -107,7 +125,9 @@ def run_variant(label: str, profile: pathlib.Path | None) -> dict:
     import app
 
     return {"variant": label, "app": str(pathlib.Path(app.__file__).parent), "clients": CLIENTS, "step_s": STEP_S, "engine_ceiling_tok_s": CLIENTS / STEP_S,
-            **summarize(records, t0, t0 + MEASURE_S),
+            **(summary := summarize(records, t0, t0 + MEASURE_S)),
+            # CPU seconds each process used per 1,000 tokens delivered in the measured window
+            "cpu_s_per_1k_tokens": {k: round(v / (summary["tok_s"] * MEASURE_S / 1000), 3) for k, v in cpu.items()},
             "profile": {f.stem: top_frames(f) for f in sorted(profile.glob("*.txt"))} if profile else None}
 
 

@@ -44,12 +44,19 @@ def _dims(name: str, s=SHAPE) -> tuple[int, int]:
     return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}.get(name, (h, h))
 
 
-def make_checkpoint(root: pathlib.Path, tiny: bool) -> pathlib.Path:
-    import torch
-    from safetensors.torch import save_file
+def word_tokenizer(vocab: int):
+    """A fast tokenizer of ``vocab`` words "w0", "w1", …: a random model's text, decoded as in production."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0")
+
+
+def make_checkpoint(root: pathlib.Path, tiny: bool) -> pathlib.Path:
+    import torch
+    from safetensors.torch import save_file
     shape = dict(SHAPE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=4) if tiny else SHAPE
     path, device = root / "model", "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,9 +81,7 @@ def make_checkpoint(root: pathlib.Path, tiny: bool) -> pathlib.Path:
     (path / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float16", "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": None, "bos_token_id": None, **shape}))
-    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(v)}, unk_token="w0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(str(path))
+    word_tokenizer(v).save_pretrained(str(path))
     _adapters(root / "adapters", shape, rnd)
     return path
 
