@@ -21,7 +21,7 @@ from app.engine.config import EngineConfig
 from app.tp_serve import tensor_parallel_options
 from cluster.autoscaling import ray_autoscaling_config
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 class ConfigError(ValueError):
@@ -76,7 +76,7 @@ class ClusterArgs(_Strict):
 class AppArgs(_Strict):
     model: str | None = None  # checkpoint dir, .gguf or s3://bucket/prefix/; None: the embedded SmolLM2-135M-Instruct
     model_name: str | None = None  # the base model's `model` id in the API
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # float64: a CPU reference precision
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     max_batch_size: int = Field(16, ge=1)
     max_tokens_per_step: int = Field(1024, ge=1)
@@ -101,6 +101,12 @@ class AppArgs(_Strict):
     registry_path: str | None = Field(None, min_length=1)  # local file or s3://bucket/key: runtime registrations persist
     adapter_source: str | None = Field(None, min_length=1)  # s3://bucket/prefix/ or a directory: names load on demand
     adapter_cache: AdapterCacheArgs = AdapterCacheArgs()  # host / disk tiers' budgets (app/adapter_args.py)
+
+    @model_validator(mode="after")
+    def _float64_on_cpu_only(self):
+        if self.dtype == "float64" and self.device != "cpu":  # the GPU kernels are half and fp32 only
+            raise ValueError("dtype float64 runs on device cpu only")
+        return self
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,16 @@ migration equivalence under small KV caches (and its bound), clients of the HTTP
 through migrations, failover on replica kills amid client disconnects, a scale-down
 that stops replicas holding streams, and one replica waiting for its replacement.
 Every output is compared with the same request run alone on one uninterrupted engine
-(in this process, same checkpoint)."""
+(in this process, same checkpoint). Engines compute in float64: a moved request is recomputed
+in another batch shape, and the tiny model's near-uniform 49k-token distributions put fp32's
+rounding within reach of a sampled draw's boundary (about 3 draws in 100 resumed streams)."""
 import asyncio
 import random
 import time
 
 import pytest
 import ray
+import torch
 
 from app.builder import app_from_args
 from app.engine.config import EngineConfig
@@ -30,7 +33,7 @@ PACK_LEN = 256  # the "pack" replicas' context length
 
 def _args(model, adapters, block, blocks, batch, max_len):
     return config_args(
-        model=str(model), max_batch_size=batch, num_kv_blocks=blocks, block_size=block, max_model_len=max_len,
+        model=str(model), dtype="float64", max_batch_size=batch, num_kv_blocks=blocks, block_size=block, max_model_len=max_len,
         max_tokens_per_step=256, adapter_dirs=[str(adapters)], max_loras=4, max_lora_rank=8,
         replica={"num_replicas": 3, "ray_actor_options": {"num_cpus": 0.5}},
         ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
@@ -59,7 +62,7 @@ class Reference:
     def __init__(self, model, adapters, block_size):
         paths = {n: str(adapters / n) for n in ADAPTERS}
         self.core = build_engine(model, EngineConfig(max_num_seqs=4, num_kv_blocks=512, block_size=block_size,
-                                                     max_model_len=256, max_loras=4, max_lora_rank=8), paths)
+                                                     max_model_len=256, max_loras=4, max_lora_rank=8, dtype=torch.float64), paths)
 
     def __call__(self, request: GenerateRequest) -> list[TokenChunk]:
         self.core.add(request)
@@ -283,8 +286,6 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
 
 # -- 4. scale-down: streams move off the stopped replica --------------------------------
 
-@pytest.mark.xfail(strict=False, reason="open defect: after this module's earlier tests a moved seeded-sampling "
-                   "stream (d7) differed from its reference (3 of 3 runs in module order); alone it passed")
 def test_scale_down_moves_streams_off_the_stopped_replica(cluster):
     rng = random.Random(5)
     requests = _requests(10, rng, prompt_len=(3, 6), max_tokens=(100, 120), prefix="d")
