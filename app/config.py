@@ -101,6 +101,8 @@ class AppArgs(_Strict):
     registry_path: str | None = Field(None, min_length=1)  # local file or s3://bucket/key: runtime registrations persist
     adapter_source: str | None = Field(None, min_length=1)  # s3://bucket/prefix/ or a directory: names load on demand
     adapter_cache: AdapterCacheArgs = AdapterCacheArgs()  # host / disk tiers' budgets (app/adapter_args.py)
+    # how the model writes tool calls (vLLM's --tool-call-parser); auto: from its chat template, else its family
+    tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
 
     @model_validator(mode="after")
     def _float64_on_cpu_only(self):
@@ -133,6 +135,7 @@ class Settings:
     failover_wait_s: float = 60.0
     adapter_roots: tuple[str, ...] = ("s3://",)
     adapter_store: StoreConfig = StoreConfig()  # tiers and on-demand source (its default_root)
+    tool_parser: str = "auto"  # docs/tool_calling.md
 
 
 def _describe(error: ValidationError) -> str:
@@ -247,5 +250,5 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         max_body_bytes=a.max_body_bytes, registry_path=a.registry_path,
         max_migrations=a.cluster.max_migrations, failover_wait_s=a.cluster.failover_wait_s,
         adapter_roots=_adapter_roots(a.adapter_roots, dirs),
-        adapter_store=adapter_store,
+        adapter_store=adapter_store, tool_parser=a.tool_parser,
     )

@@ -15,6 +15,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from ray import serve
@@ -33,6 +34,7 @@ from app.openai_requests import ChatCompletionRequest, CompletionRequest
 from app.openai_responses import Formatter
 from app.protocol import GenerateRequest
 from app.registry import AdapterSpec
+from app.tool_calls.choice import ToolPlan, ToolSupport
 
 api = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
 http_errors.install(api)
@@ -43,9 +45,9 @@ _READY_TIMEOUT_S = 5.0  # /health: a replica that cannot answer a stats call thi
 
 
 def _load_model_files(model: str | None):
-    """The tokenizer and the context length, from the same checkpoint the replicas load."""
+    """The tokenizer and the model's config, from the same checkpoint the replicas load."""
     path = resolve_model(model, weights=False)
-    return load_tokenizer(path), AutoConfig.from_pretrained(str(path)).max_position_embeddings
+    return load_tokenizer(path), AutoConfig.from_pretrained(str(path))
 
 
 @serve.deployment(name="Ingress")
@@ -54,9 +56,10 @@ class Ingress:
     def __init__(self, settings: Settings, replica, registry):
         """replica, registry: handles to LoraReplica and AdapterRegistry."""
         self.settings = settings
-        self.tokenizer, model_len = _load_model_files(settings.model)
+        self.tokenizer, model_config = _load_model_files(settings.model)
         kv_tokens = settings.engine.num_kv_blocks * settings.engine.block_size
-        self.context_limit = min(settings.engine.max_model_len or model_len, kv_tokens)
+        self.context_limit = min(settings.engine.max_model_len or model_config.max_position_embeddings, kv_tokens)
+        self.tool_support = ToolSupport.of(self.tokenizer, model_config.model_type, settings.tool_parser)
         host = serve_bind_host()
         self.auth = Auth(settings.api_keys, settings.admin_key, loopback=host is None or is_loopback(host))
         self.generate_on_replica = replica.options(stream=True).generate
@@ -78,8 +81,8 @@ class Ingress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         caller = self._caller(request)
-        body, ids = await self._prepare(request, self._chat_input)
-        return await self._generate(body, caller, ids, chat=True, logprobs=body.engine_logprobs)
+        body, ids, tools = await self._prepare(request, self._chat_input)
+        return await self._generate(body, caller, ids, chat=True, logprobs=body.engine_logprobs, tools=tools)
 
     async def _prepare(self, request: Request, build):
         raw = await http_errors.read_body(request, self.settings.max_body_bytes)
@@ -97,14 +100,21 @@ class Ingress:
         return body, list(prompt) if isinstance(prompt, list) else self._thread_tokenizer()(prompt)["input_ids"]
 
     def _chat_input(self, raw: bytes):
+        """On a pool thread: (body, prompt token ids, its ToolPlan or None)."""
         body = http_errors.parse_json(raw, ChatCompletionRequest)
         tok = self._thread_tokenizer()
         if not tok.chat_template:
             raise InvalidRequestError("this model has no chat template: use /v1/completions")
-        text = tok.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
-        return body, tok(text, add_special_tokens=False)["input_ids"]
+        tools = body.template_tools()
+        plan = self.tool_support.plan(tools, body.choice(), body.parallel_tool_calls, body.has_tool_messages)
+        try:  # the checkpoint's own template renders the tools, as transformers does
+            text = tok.apply_chat_template(body.chat(), tools=tools, add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError as exc:  # e.g. a template that checks role order or tool-call ids
+            raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}") from None
+        return body, tok(text, add_special_tokens=False)["input_ids"], plan
 
-    async def _generate(self, body, caller: Caller, ids: list[int], chat: bool, logprobs: int | None):
+    async def _generate(self, body, caller: Caller, ids: list[int], chat: bool, logprobs: int | None,
+                        tools: ToolPlan | None = None):
         adapter, epoch = await self._resolve(body.model, caller)
         default_max = None if chat else _LEGACY_DEFAULT_MAX_TOKENS
         params = body.sampling(len(ids), self.context_limit, default_max, logprobs)
@@ -113,7 +123,8 @@ class Ingress:
         submit = replica_submit(self.generate_on_replica, adapter, epoch)
         # validation errors raise here, before any bytes go out; later the stream moves between replicas
         stream = await ResubmittingStream.open(submit, request, self.migration)
-        fmt = Formatter(request_id, body.model, self.tokenizer, chat, logprobs is not None)
+        fmt = Formatter(request_id, body.model, self.tokenizer, chat, logprobs is not None,
+                        tools.parser(self.tokenizer) if tools else None)
         if body.stream:
             return StreamingResponse(sse_events(fmt, stream, body.include_usage), media_type="text/event-stream")
         return await collect(fmt, stream)

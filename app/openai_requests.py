@@ -1,12 +1,13 @@
 """OpenAI request bodies (what the official client sends), validated strictly.
 
 Wrong types and out-of-range values fail validation (→ 400). Features the
-engine does not implement (n > 1, penalties, logit_bias, tools, echo, …) are
+engine does not implement (n > 1, penalties, logit_bias, echo, …) are
 rejected by name rather than silently ignored; unknown extra fields are ignored,
 as OpenAI-compatible servers do.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -142,15 +143,74 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        """As chat templates take it (transformers' convention): the arguments as an object."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:  # not JSON: what the client sent
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this is the result of
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id (and only a tool message has one)")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """`developer` is the newer name of `system`."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; omitted: no parameters
+    strict: bool | None = None  # accepted; enforced only with tool_choice required / named (docs/tool_calling.md)
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ResponseFormat(_Body):
@@ -163,13 +223,17 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
+    function_call: Any = None
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.tools or self.functions:
-            raise ValueError("tools and functions are not supported")
+        if self.functions or self.function_call is not None:
+            raise ValueError("functions and function_call (deprecated) are not supported: use tools and tool_choice")
+        self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
@@ -177,9 +241,32 @@ class ChatCompletionRequest(_Sampling):
     def _requested_max(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tool function names must be unique")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
+        if self.tool_choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+
     def chat(self) -> list[dict]:
-        """Messages for the chat template (`developer` is the newer name of `system`)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """Messages for the chat template."""
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """`tools` as chat templates take them (OpenAI's shape, which transformers documents)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def choice(self) -> str | dict:
+        """tool_choice, defaulted as OpenAI does: "auto" with tools, "none" without."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
+    @property
+    def has_tool_messages(self) -> bool:
+        return any(m.role == "tool" or m.tool_calls for m in self.messages)
 
     @property
     def engine_logprobs(self) -> int | None:

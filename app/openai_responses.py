@@ -1,5 +1,6 @@
 """OpenAI response bodies built from engine chunks: whole responses and SSE chunks,
-for `/v1/completions` (`text_completion`) and `/v1/chat/completions`."""
+for `/v1/completions` (`text_completion`) and `/v1/chat/completions` (with `tool_calls` when
+the request's tools were called: app/tool_calls/)."""
 from __future__ import annotations
 
 import json
@@ -32,6 +33,7 @@ class Output:
     """One generation, accumulated chunk by chunk (for non-streamed responses)."""
 
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
@@ -39,6 +41,7 @@ class Output:
 
     def add(self, chunk: TokenChunk) -> None:
         self.text.append(chunk.text)
+        self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs or ()
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
@@ -49,11 +52,27 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-class Formatter:
-    """Shapes one request's responses; `chat` selects the chat.completion flavour."""
+def _call_deltas(calls) -> list[dict]:
+    """Stream deltas of tool calls: a call's first carries its id, type and name (OpenAI's shape)."""
+    out = []
+    for d in calls:
+        head = {"id": d.id, "type": "function"} if d.id else {}
+        name = {"name": d.name} if d.id else {}
+        out.append({"index": d.index, **head, "function": {**name, "arguments": d.arguments}})
+    return out
 
-    def __init__(self, request_id: str, model: str, tokenizer, chat: bool, want_logprobs: bool):
+
+def _tool_calls(calls) -> list[dict]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+class Formatter:
+    """Shapes one request's responses; `chat` selects the chat.completion flavour; `tools` (an
+    app.tool_calls OutputParser) turns the answer's tool-call text into `tool_calls`."""
+
+    def __init__(self, request_id: str, model: str, tokenizer, chat: bool, want_logprobs: bool, tools=None):
         self.id, self.model, self.chat, self.want_logprobs = request_id, model, chat, want_logprobs
+        self.tools = tools
         self.created = int(time.time())
         self.piece = lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
         self.offset = 0  # completions' text_offset runs across stream chunks
@@ -88,12 +107,24 @@ class Formatter:
     # -- whole responses ----------------------------------------------------------
     def response(self, out: Output) -> dict:
         text = "".join(out.text)
-        choice = {"index": 0, "logprobs": self._logprobs(out.logprobs), "finish_reason": out.finish_reason}
+        choice = {"index": 0, "logprobs": self._logprobs(out.logprobs)}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            message = self._tool_message(out.token_ids, text) if self.tools else {"role": "assistant", "content": text}
+            choice["message"] = message
         else:
             choice["text"] = text
+        choice["finish_reason"] = self._finish(out.finish_reason)  # after the message: its calls decide
         return {**self._head(), "choices": [choice], "usage": usage(out.prompt_tokens, out.completion_tokens)}
+
+    def _tool_message(self, token_ids: list[int], text: str) -> dict:
+        delta = self.tools.feed(token_ids, text, final=True)
+        if not self.tools.calls:
+            return {"role": "assistant", "content": delta.content}
+        return {"role": "assistant", "content": delta.content or None, "tool_calls": _tool_calls(self.tools.calls)}
+
+    def _finish(self, reason: str | None) -> str | None:
+        """A model that stopped after calling tools finished with "tool_calls" (as OpenAI says)."""
+        return "tool_calls" if reason == "stop" and self.tools and self.tools.calls else reason
 
     # -- stream chunks --------------------------------------------------------------
     def first_chunk(self) -> dict | None:
@@ -101,7 +132,17 @@ class Formatter:
         return self._chunk({"role": "assistant", "content": ""}, None, None) if self.chat else None
 
     def chunk(self, c: TokenChunk) -> dict:
+        if self.chat and self.tools:
+            return self._chunk(self._tool_delta(c), c.logprobs or (), self._finish(c.finish_reason))
         return self._chunk({"content": c.text} if self.chat else c.text, c.logprobs or (), c.finish_reason)
+
+    def _tool_delta(self, c: TokenChunk) -> dict:
+        """Text held back while it may still be part of a call makes an empty delta (as OpenAI's last)."""
+        parsed = self.tools.feed(c.token_ids, c.text, final=c.finish_reason is not None)
+        delta = {"content": parsed.content} if parsed.content else {}
+        if parsed.calls:
+            delta["tool_calls"] = _call_deltas(parsed.calls)
+        return delta
 
     def usage_chunk(self, c: TokenChunk) -> dict:
         return {**self._head(stream=True), "choices": [], "usage": usage(c.prompt_tokens, c.completion_tokens)}
