@@ -8,6 +8,13 @@ from app.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
+class Guide:
+    """A constraint on a request's output, compiled by the grammar engine (app/engine/grammar.py)."""
+    kind: str  # "json_schema" | "json_object" | "regex" | "choice"
+    spec: str  # the schema as canonical JSON text (sorted keys), the regex, or a JSON list of the choices
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
@@ -19,6 +26,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n = chosen token + top-n alternatives
+    guide: Guide | None = None  # structured output: the grammar every generated token must follow
 
     def __post_init__(self):
         checks = [
