@@ -118,6 +118,7 @@ class Ingress:
         adapter, epoch = await self._resolve(body.model, caller)
         default_max = None if chat else _LEGACY_DEFAULT_MAX_TOKENS
         params = body.sampling(len(ids), self.context_limit, default_max, logprobs)
+        params = tools.constrain(params) if tools else params
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request = with_fixed_seed(GenerateRequest(request_id, tuple(ids), params, adapter.name if adapter else None))
         submit = replica_submit(self.generate_on_replica, adapter, epoch)

@@ -18,7 +18,7 @@ from app.http_errors import RequestValidationError, parse_json
 from app.model.default import default_model_dir
 from app.openai_requests import ChatCompletionRequest
 from app.openai_responses import Formatter, Output
-from app.protocol import TokenChunk
+from app.protocol import Guide, SamplingParams, TokenChunk
 from app.tool_calls.choice import ToolSupport, calls_schema, renders_tools, select_format
 from tests.tool_fixtures import ADD, HERMES_TEMPLATE, TOOLS, WEATHER
 
@@ -101,6 +101,10 @@ def test_plans(support):
     assert (auto.format.name, auto.schema, auto.max_calls, auto.tools) == ("hermes", None, 1, {"add", "get_weather"})
     named = support.plan(TOOLS, NAMED, True, False)
     assert named.tools == {"add"} and json.loads(named.schema)["maxItems"] == 1
+    assert auto.constrain(SamplingParams()) == SamplingParams()
+    assert named.constrain(SamplingParams()).guide == Guide("json_schema", named.schema)
+    with pytest.raises(InvalidRequestError, match="response_format"):
+        named.constrain(SamplingParams(guide=Guide("json_object", "{}")))
 
 
 # -- the constrained output's schema ------------------------------------------------------------

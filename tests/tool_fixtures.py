@@ -8,6 +8,7 @@ uses the SmolLM2 tokenizer's ChatML tokens, which are Qwen's too.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 HERMES_TEMPLATE = r"""
@@ -57,9 +58,12 @@ TOOLS = [WEATHER, ADD]
 
 
 def make_tiny_tool_llama(path: Path, seed: int = 0) -> Path:
-    """tests/cluster_fixtures.py's tiny chat Llama with HERMES_TEMPLATE as its chat template."""
+    """tests/cluster_fixtures.py's tiny chat Llama with HERMES_TEMPLATE as its chat template and a
+    1024-token context (a prompt listing two tools is ~400 tokens; RoPE has no position weights)."""
     from tests.cluster_fixtures import make_tiny_chat_llama
 
     make_tiny_chat_llama(path, seed)
     (path / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
     return path

@@ -10,6 +10,7 @@ family's own key (vLLM constrains these choices the same way, whatever the model
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from app.errors import InvalidRequestError
+from app.protocol import Guide, SamplingParams
 from app.tool_calls.markers import MarkerText, dropped_markers
 from app.tool_calls.parse import FORMATS, CallStream, Delta, Format, constrained_format
 
@@ -82,6 +84,15 @@ class ToolPlan:
         return OutputParser(CallStream(self.format, self.tools, self.max_calls),
                             MarkerText(tokenizer, dict(self.markers)))
 
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """The request's sampling with the calls schema as its guide (required / named choices)."""
+        if self.schema is None:
+            return params
+        if params.guide is not None:
+            raise InvalidRequestError("response_format cannot be combined with tool_choice \"required\" or a named "
+                                      "function: both constrain the output")
+        return dataclasses.replace(params, guide=Guide("json_schema", self.schema))
+
 
 @dataclass(frozen=True)
 class ToolSupport:
@@ -115,6 +126,8 @@ class ToolSupport:
         chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
         fmt = constrained_format(self.format)
         schema = calls_schema(chosen, fmt.args_key, 1 if choice != "required" else max_calls)
+        # Keys keep their order (not sorted): property order is generation order for the grammar engines,
+        # so `name` comes before the arguments, and a tool's parameters in the order its author gave.
         return ToolPlan(fmt, _names(chosen), max_calls, json.dumps(schema, separators=(",", ":")), ())
 
 
