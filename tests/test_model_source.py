@@ -145,8 +145,8 @@ def test_the_ingress_reads_config_and_tokenizer_only(env, sharded, tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(with_tokenizer)
     uri = upload(env, "ingress", "tiny", with_tokenizer)
 
-    tokenizer, context = _load_model_files(uri)
-    assert tokenizer("w3 w14 w159")["input_ids"] == [3, 14, 159] and context == 512
+    tokenizer, config = _load_model_files(uri)
+    assert tokenizer("w3 w14 w159")["input_ids"] == [3, 14, 159] and config.max_position_embeddings == 512
     assert object_requests(env, "ingress", "tiny", "GET", "tokenizer.json") == 1
     assert object_requests(env, "ingress", "tiny", "GET", "model-") == 0  # no weights
 
