@@ -101,6 +101,8 @@ def test_plans(support):
     assert (auto.format.name, auto.schema, auto.max_calls, auto.tools) == ("hermes", None, 1, {"add", "get_weather"})
     named = support.plan(TOOLS, NAMED, True, False)
     assert named.tools == {"add"} and json.loads(named.schema)["maxItems"] == 1
+    # property order is generation order (llguidance, xgrammar): the name must come before the arguments
+    assert named.schema.index('"name"') < named.schema.index('"arguments"')
     assert auto.constrain(SamplingParams()) == SamplingParams()
     assert named.constrain(SamplingParams()).guide == Guide("json_schema", named.schema)
     with pytest.raises(InvalidRequestError, match="response_format"):

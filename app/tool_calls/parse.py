@@ -160,24 +160,27 @@ class CallStream:
 
     def _run_start(self) -> bool:
         """Expecting the `[` of an array of calls."""
-        text = self.pending.lstrip(_SPACE)
-        if not text:
-            return False
-        if text[0] != "[":
-            return self._fail()
-        self.unsure += self.pending[:len(self.pending) - len(text) + 1]
-        self.pending, self.mode = text[1:], _OBJECT
-        return True
+        found = self._opening("[")
+        if found:
+            self.unsure, self.pending, self.mode = self.unsure + "[", self.pending[1:], _OBJECT
+        return self._fail() if found is False else bool(found)
 
     def _object_start(self) -> bool:
+        found = self._opening("{")
+        if found:
+            self.mode, self.scanner, self.header, self.args = _CALL, CallScanner(), False, ""
+        return self._fail() if found is False else bool(found)
+
+    def _opening(self, char: str) -> bool | None:
+        """Whitespace, then ``char``? True: ``pending`` now starts at it; None: only whitespace so
+        far; False: something else."""
         text = self.pending.lstrip(_SPACE)
         if not text:
+            return None
+        if text[0] != char:
             return False
-        if text[0] != "{":
-            return self._fail()
         self.unsure += self.pending[:len(self.pending) - len(text)]
-        self.pending, self.mode = text, _CALL
-        self.scanner, self.header, self.args = CallScanner(), False, ""
+        self.pending = text
         return True
 
     def _in_call(self) -> bool:
