@@ -3,7 +3,9 @@
 Wrong types and out-of-range values fail validation (→ 400). Features the
 engine does not implement (n > 1, penalties, logit_bias, echo, …) are
 rejected by name rather than silently ignored; unknown extra fields are ignored,
-as OpenAI-compatible servers do.
+as OpenAI-compatible servers do. Structured output (`response_format` json_object /
+json_schema, and vLLM's `guided_json` / `guided_regex` / `guided_choice`) becomes the
+request's Guide; whether the engine can compile it is checked before generation starts.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.errors import ContextLengthError
-from app.protocol import SamplingParams
+from app.protocol import Guide, SamplingParams
 
 _INT64 = 2**63 - 1
 # Every stop string is checked against the text after each token: bounded so one request's
@@ -27,6 +29,28 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+def _canonical(schema: dict) -> str:
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 class _Sampling(_Body):
@@ -47,6 +71,11 @@ class _Sampling(_Body):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # extensions (vLLM's)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # rejected by name
 
     @field_validator("n")
     @classmethod
@@ -82,6 +111,45 @@ class _Sampling(_Body):
         return value
 
     @model_validator(mode="after")
+    def _one_guide(self):
+        if self.guided_grammar is not None:
+            raise ValueError("guided_grammar is not supported (use guided_json, guided_regex or guided_choice)")
+        if self.guided_choice is not None and (not self.guided_choice or not all(self.guided_choice)):
+            raise ValueError("guided_choice must be a non-empty list of non-empty strings")
+        if self.guided_regex == "":
+            raise ValueError("guided_regex is empty")
+        given = [self.response_format is not None and self.response_format.type != "text",
+                 self.guided_json is not None, self.guided_regex is not None, self.guided_choice is not None]
+        if sum(given) > 1:
+            raise ValueError("give at most one of response_format (json_object / json_schema), guided_json, "
+                             "guided_regex and guided_choice")
+        self.guide()  # guided_json text that is not a JSON object fails here
+        return self
+
+    def guide(self) -> Guide | None:
+        """The constraint on the output, if any (its spec canonical: the same schema, the same cache entry)."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return Guide("json_object", "")
+        if fmt is not None and fmt.type == "json_schema":
+            return Guide("json_schema", _canonical(fmt.json_schema.schema_))
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError:
+                    raise ValueError("guided_json is not valid JSON") from None
+            if not isinstance(schema, dict):
+                raise ValueError("guided_json must be a JSON schema (an object)")
+            return Guide("json_schema", _canonical(schema))
+        if self.guided_regex is not None:
+            return Guide("regex", self.guided_regex)
+        if self.guided_choice is not None:
+            return Guide("choice", json.dumps(self.guided_choice, ensure_ascii=False))
+        return None
+
+    @model_validator(mode="after")
     def _options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
@@ -106,6 +174,7 @@ class _Sampling(_Body):
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, min_tokens=min(self.min_tokens, max_tokens), stop=stop, logprobs=logprobs,
+            guide=self.guide(),
         )
 
 
@@ -213,16 +282,11 @@ class NamedToolChoice(_Body):
     function: ChosenFunction
 
 
-class ResponseFormat(_Body):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -31,7 +31,7 @@ def _seq(params: SamplingParams, seed=0, prompt=(1, 2, 3), outputs=0) -> Sequenc
 
 def _at_position(params: SamplingParams, seed: int, position: int) -> SimpleNamespace:
     """What step_sampling reads of a Sequence, at any absolute position without a prompt that long."""
-    return SimpleNamespace(params=params, seed=seed, output_ids=[], num_tokens=position)
+    return SimpleNamespace(params=params, seed=seed, output_ids=[], num_tokens=position, grammar=None)
 
 
 def _draw(logits, seqs, eos=()):

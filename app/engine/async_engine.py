@@ -79,8 +79,11 @@ class AsyncEngine:
         try:
             # S3 / disk / parse happen here, on the store's threads, never on the engine thread
             adapter = await self.core.adapters.aget(request.adapter) if request.adapter else None
+            grammar = None  # likewise a guide's compile (cached; a bad one raises here, before any chunk)
+            if request.params.guide is not None:
+                grammar = await asyncio.to_thread(self.core.grammars.compile, request.params.guide)
             accepted: Future = Future()
-            self._post(("add", stream, accepted, adapter))
+            self._post(("add", stream, accepted, adapter, grammar))
             await asyncio.wrap_future(accepted)
             while True:
                 for item in await stream.items():
@@ -155,9 +158,9 @@ class AsyncEngine:
             else:
                 self._call(*item[1:])
 
-    def _add(self, stream: _Stream, accepted: Future, adapter) -> None:
+    def _add(self, stream: _Stream, accepted: Future, adapter, grammar) -> None:
         try:
-            self.core.add(stream.request, adapter=adapter)
+            self.core.add(stream.request, adapter=adapter, grammar=grammar)
         except Exception as exc:
             accepted.set_exception(exc)
             return

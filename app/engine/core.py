@@ -6,6 +6,7 @@ import random
 
 from app.engine.config import EngineConfig
 from app.engine.detokenizer import Detokenizer
+from app.engine.grammar import GrammarError, Grammars
 from app.engine.kv_cache import BlockAllocator, allocate_kv
 from app.engine.prefix_cache import PrefixCache, model_key
 from app.engine.runner import ModelRunner
@@ -33,6 +34,7 @@ class EngineCore:
             pool = model.lora_pool.config
             prepare_lora_kernels(pool.dtype, pool.max_rank, pool.device)
         self.runner = ModelRunner(model, self.kv, config, self.max_model_len)
+        self.grammars = Grammars(tokenizer, c.vocab_size, c.eos_token_ids)
         self._arrivals = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.steps = 0
@@ -42,15 +44,21 @@ class EngineCore:
         self.tokens_computed = 0  # prefill + decode tokens through the model, ever
 
     # -- requests -------------------------------------------------------------
-    def add(self, request: GenerateRequest, front: bool = False, adapter=None) -> None:
+    def add(self, request: GenerateRequest, front: bool = False, adapter=None, grammar=None) -> None:
         """Validate and queue; raises (before any compute) on unknown adapter or bad input.
         ``adapter``: the request's LoraWeights if the caller resolved them already (the
-        async engine does, off this thread); else they are fetched here, blocking."""
+        async engine does, off this thread); else they are fetched here, blocking. ``grammar``:
+        likewise its compiled guide (Grammars.compile), else compiled here (cached)."""
         if request.adapter and adapter is None:
             adapter = self.adapters.get(request.adapter)
         self._validate(request)
+        guide = request.params.guide
+        if guide is not None and grammar is None:
+            grammar = self.grammars.compile(guide)
         seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
         seq = Sequence(request, seed, next(self._arrivals), adapter)
+        if guide is not None:
+            seq.grammar = self.grammars.state(grammar, request.resume_token_ids)
         seq.detok = Detokenizer(self.tokenizer, request.params.stop, seq.output_ids, request.resume_text_chars)
         self._seqs[request.request_id] = seq
         (self.scheduler.waiting.appendleft if front else self.scheduler.waiting.append)(seq)
@@ -103,14 +111,19 @@ class EngineCore:
         self.last_batch_size = len(plan.scheduled)
         return out
 
-    def _postprocess(self, seq: Sequence, token: int, logprob: dict | None) -> TokenChunk:
+    def _postprocess(self, seq: Sequence, token: int, logprob: dict | None) -> Chunk:
+        try:  # a constrained output ends where its grammar is complete (its EOS is no text)
+            complete = seq.grammar is not None and seq.grammar.advance(token)
+        except GrammarError as exc:
+            return self._fail(seq, str(exc))
         seq.output_ids.append(token)
         p = seq.params
         past_min = len(seq.output_ids) >= p.min_tokens
         stop_token = past_min and (token in p.stop_token_ids or (not p.ignore_eos and token in self.model.cfg.eos_token_ids))
+        stop_token = stop_token or (complete and token in seq.grammar.eos_ids)
         visible = seq.output_ids[:-1] if stop_token else seq.output_ids  # a stop token is not text
         text, stop_hit = seq.detok.update(visible, check_stop=past_min)
-        reason = "stop" if stop_token or stop_hit else "length" if len(seq.output_ids) >= p.max_tokens else None
+        reason = "stop" if stop_token or stop_hit or complete else "length" if len(seq.output_ids) >= p.max_tokens else None
         if reason is not None:
             text += "" if stop_hit else seq.detok.flush(visible)
             self._drop(seq)

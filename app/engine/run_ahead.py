@@ -15,6 +15,12 @@ that ended meanwhile (stop token, abort) are dropped, as a smaller batch would c
 (row results, sampled tokens included, do not depend on each other). Otherwise it is discarded: its
 KV writes went to slots that the real step rewrites, or to blocks of ended requests, which later
 owners write after it in stream order; its cost is one wasted decode step on the GPU.
+
+No step is launched ahead while a constrained request (structured output, app/engine/grammar.py)
+runs: its row's mask depends on step N's token, which the host has not read yet. Leaving the row
+out would not help: the next schedule holds it, so `take` would discard that step, and running it
+as a second forward would read the weights twice. The host fills the masks while the device runs
+the step's forward instead (app/engine/sampling_params.py).
 """
 from __future__ import annotations
 
@@ -50,7 +56,7 @@ def next_decode(out: StepOutput, scheduler, block_size: int, max_batch: int) -> 
     """The rows (and their rows in `out`) of the decode step that follows `out` for sure, or None;
     rows whose next token starts a block are given it."""
     running = scheduler.running
-    if len(out.sampled) != len(running):
+    if len(out.sampled) != len(running) or any(seq.grammar is not None for seq in out.sampled):
         return None
     order, src = [], []
     for row, seq in zip(out.rows, out.sampled):

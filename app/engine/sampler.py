@@ -6,7 +6,8 @@ no per-row Python and no host sync (CUDA-graph replays and steps launched ahead 
 the host reads only its results, app/engine/step_output.py). Per row, from its parameters
 (app/engine/sampling_params.py):
 
-1. suppressed tokens (stop tokens before min_tokens) are set to −inf;
+1. suppressed tokens (stop tokens before min_tokens) and tokens a row's grammar does not allow
+   (its bitmask, app/engine/grammar.py) are set to −inf;
 2. greedy rows take the argmax (the first on ties, as torch.argmax);
 3. sampled rows: s = (z − max z) / T ≤ 0, the best token at exactly 0; top-k keeps s ≥ its k-th
    largest value, top-p the largest values whose mass before them is < top_p (ranked by one sort per
@@ -55,9 +56,13 @@ class Drawn:
 def draw(logits: torch.Tensor, sp: StepSampling) -> Drawn:
     """logits: [n, vocab] fp32, row i sampled by sp's row i (logits are not modified)."""
     z = logits
-    if sp.banned is not None:
+    if sp.banned is not None or sp.allowed is not None:
         z = logits.clone(memory_format=torch.contiguous_format)
+    if sp.banned is not None:
         z.index_put_(sp.banned, z.new_full((), float("-inf")))  # a device fill: no host copy, no sync
+    if sp.allowed is not None:
+        rows, bits = sp.allowed
+        z.index_copy_(0, rows, torch.where(_unpack(bits, z.shape[-1]), z.index_select(0, rows), z.new_full((), float("-inf"))))
     tokens = z.argmax(dim=-1)
     if sp.sampled:
         tokens = torch.where(sp.greedy, tokens, _random(z, sp))
@@ -68,6 +73,12 @@ def draw(logits: torch.Tensor, sp: StepSampling) -> Drawn:
         if sp.top_n:
             out.top_logprobs, out.top_ids = torch.topk(lp, sp.top_n, dim=-1)
     return out
+
+
+def _unpack(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[m, ⌈vocab/32⌉] int32 bitmask → [m, vocab] bool (bit t % 32 of word t // 32)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
 
 
 def _random(z: torch.Tensor, sp: StepSampling) -> torch.Tensor:

