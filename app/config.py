@@ -18,7 +18,7 @@ from adapters_store.paths import parse_uri
 from adapters_store.store import StoreConfig
 from app.adapter_args import AdapterCacheArgs, store_config
 from app.engine.config import EngineConfig
-from app.tp_serve import tensor_parallel_options
+from app.engine.tp.placement import tensor_parallel_options
 from cluster.autoscaling import ray_autoscaling_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}

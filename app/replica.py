@@ -48,7 +48,7 @@ def build_async_engine(settings: ReplicaSettings) -> AsyncEngine:
 
 def _stats(core) -> dict:
     stats = {**core.stats(), "adapters": core.adapters.names()}
-    if isinstance(core.adapters, AdapterStore):  # a simulated core (app/engine/simulated.py) has none
+    if isinstance(core.adapters, AdapterStore):  # a simulated core (tests/simulated_engine.py) has none
         stats["adapter_store"] = {**core.adapters.describe(), "tiers": core.adapters.tiers(core.model.lora_pool)}
     return stats
 
@@ -145,7 +145,7 @@ class LoraReplica:
 
     def check_health(self) -> None:
         """Serve replaces a replica whose check raises: one whose tensor-parallel shards fell
-        out of step in a failed step (app/engine/tp_workers.py) can serve nothing more."""
+        out of step in a failed step (app/engine/tp/model.py) can serve nothing more."""
         broken = getattr(self.engine.core.model, "broken", None)
         if broken is not None:
             raise RuntimeError(f"tensor-parallel shards out of step: {broken}")

@@ -3,7 +3,7 @@ ramp up then down and to zero and back, a scale-down that stops a replica still
 streaming, no flapping under steady load, and the engine's series on Ray's Prometheus
 endpoint.
 
-Replicas run the simulated engine core (app/engine/simulated.py: the real scheduler, a
+Replicas run the simulated engine core (tests/simulated_engine.py: the real scheduler, a
 fixed 50 ms step instead of a model), so a stream's length is known and three replicas
 fit two cores. Requests go through a DeploymentHandle (the deployment's consolidating
 router) and app.client_stream's ResubmittingStream, as in the ingress. Each request logs
@@ -24,7 +24,7 @@ import pytest
 
 from app.config import parse_args
 from app.engine.config import EngineConfig
-from app.engine.simulated import StepTime, simulated_engine, simulated_token
+from tests.simulated_engine import StepTime, simulated_engine, simulated_token
 from app.protocol import ErrorChunk, GenerateRequest, SamplingParams
 from app.replica import LoraReplica, ReplicaSettings
 from app.client_stream import MigrationPolicy, ResubmittingStream
