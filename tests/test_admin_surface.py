@@ -74,6 +74,14 @@ def test_paths_outside_the_roots_get_one_answer(roots):
     assert replica.loaded == [("tenant", str((root / "pirate").resolve()))]
 
 
+def test_a_local_adapter_source_is_a_default_root(roots, tmp_path):
+    root, _, _ = roots
+    source = tmp_path / "on-demand"
+    source.mkdir()
+    settings = parse_args({"adapter_dirs": [str(root)], "adapter_source": str(source)}, "base")
+    assert settings.adapter_roots == (str(root.resolve()), str(source.resolve()), "s3://")
+
+
 def test_s3_roots_narrow_s3_registrations(roots):
     root, _, _ = roots
     settings = parse_args({"adapter_dirs": [str(root)], "adapter_roots": ["s3://team-bucket/tenants"]}, "base")
