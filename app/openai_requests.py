@@ -1,13 +1,13 @@
 """OpenAI request bodies (what the official client sends), validated strictly.
 
 Wrong types and out-of-range values fail validation (→ 400). Features the
-engine does not implement (n > 1, penalties, logit_bias, tools, echo, …) are
+engine does not implement (n > 1, tools, echo, …) are
 rejected by name rather than silently ignored; unknown extra fields are ignored,
 as OpenAI-compatible servers do.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -18,6 +18,10 @@ _INT64 = 2**63 - 1
 # Every stop string is checked against the text after each token: bounded so one request's
 # stop list cannot make every decode step slow (OpenAI itself takes 4; vLLM has no cap).
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+# logit_bias goes to the device with every step of the request: bounded like the stop strings.
+MAX_LOGIT_BIAS = 1024
+_Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # OpenAI's range
+_Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 class _Body(BaseModel):
@@ -42,9 +46,10 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: _Penalty | None = 0.0
+    frequency_penalty: _Penalty | None = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = 1.0  # vLLM's; 1 = off
+    logit_bias: dict[str, _Bias] | None = None  # token id (as OpenAI's JSON keys: a string) → bias
     user: str | None = None
 
     @field_validator("n")
@@ -54,18 +59,17 @@ class _Sampling(_Body):
             raise ValueError("only n=1 is supported")
         return n
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported (only 0)")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _bias_ids(cls, value):
+        """Keys are token ids; whether the model has them is the engine's check (it knows the vocabulary)."""
+        if value and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are supported, got {len(value)}")
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:20]!r}")
+        if value and len({int(key) for key in value}) < len(value):
+            raise ValueError("logit_bias names a token id twice")
         return value
 
     @field_validator("stop")
@@ -105,6 +109,9 @@ class _Sampling(_Body):
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, min_tokens=min(self.min_tokens, max_tokens), stop=stop, logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
         )
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from app.errors import InvalidRequestError
@@ -19,6 +20,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n = chosen token + top-n alternatives
+    # OpenAI's penalties, over the tokens generated so far; vLLM's repetition_penalty over prompt and output
+    # (1 = off); logit_bias as (token id, bias) pairs. Semantics and order: docs/sampling.md.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         checks = [
@@ -29,6 +36,12 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty < math.inf, "repetition_penalty must be > 0 and finite (1 disables it)"),
+            (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+             "logit_bias maps token ids >= 0 to biases in [-100, 100]"),
+            (len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias names a token id twice"),
         ]
         for ok, message in checks:
             if not ok:
@@ -37,6 +50,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def check_vocabulary(self, vocab: int) -> None:
+        """Refuse logit_bias token ids the model does not have (the one check that needs the model)."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{vocab - 1})")
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ class EngineCore:
             raise InvalidRequestError("the prompt is empty")
         if any(not 0 <= t < self.model.cfg.vocab_size for t in (*r.prompt_token_ids, *r.resume_token_ids)):
             raise InvalidRequestError("prompt holds token ids outside the vocabulary")
+        r.params.check_vocabulary(self.model.cfg.vocab_size)
         if r.params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer")
         total = len(r.prompt_token_ids) + r.params.max_tokens

@@ -2,9 +2,10 @@
 
 Every row of a step is sampled by the same batched ops (app/engine/sampler.py); what differs between
 requests is data in these tensors, never code run per row. Host flags say which ops the step needs
-at all (a random draw, a top-k or top-p filter, suppressed tokens, logprobs), so an all-greedy step
-costs an argmax as before. New per-token constraints (penalties, logit_bias, grammar masks) belong
-here as further per-row tensors, applied where the sampler applies the suppressed tokens.
+at all (a random draw, a top-k or top-p filter, suppressed tokens, logit_bias, penalties, logprobs),
+so an all-greedy step costs an argmax as before. Per-token constraints (logit_bias, penalties:
+app/engine/penalties.py; grammar masks) are further per-row tensors here, applied where the sampler
+applies the suppressed tokens.
 
 The random draw of a row is a counter-based uniform keyed by (seed, absolute position of the token):
 output `position` of SplitMix64 started at the mixed seed, computed on the host in integer arithmetic.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from app.engine.penalties import Layout, Penalties
 from app.engine.sequence import Sequence
 
 _M64 = (1 << 64) - 1
@@ -61,6 +63,8 @@ class StepSampling:
     p: torch.Tensor | None = None  # [n] float64, 1: no top-p
     u: torch.Tensor | None = None  # [n] float64 in (0, 1)
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) that cannot be drawn now
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # logit_bias: (rows, token ids, biases)
+    penalties: Penalties | None = None  # the rows with presence / frequency / repetition penalties
     logprob_index: torch.Tensor | None = None  # [m] int64, logprob_rows on the device
 
     @property
@@ -96,18 +100,23 @@ class Staging:
 
 
 def step_sampling(seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, staging: Staging,
-                  ahead: int = 0) -> StepSampling:
+                  ahead: int = 0, pending: tuple[torch.Tensor, list[int]] | None = None) -> StepSampling:
     """The parameters of the step that samples the next token of each of `seqs` (its rows, in order).
     ahead: tokens each sequence will have gained by then (1 for a step launched before the current
-    step's tokens reach the host)."""
+    step's tokens reach the host); pending: then those tokens, on the device (the previous step's drawn
+    tokens, and each row's row in them), which the penalties count."""
     n = len(seqs)
     s = StepSampling(n)
     greedy, inv_t, k, p, u = np.ones(n), np.ones(n), np.zeros(n), np.ones(n), np.full(n, 0.5)
     banned: list[tuple[int, int]] = []
+    bias: list[tuple[int, int, float]] = []
+    penalized = False
     for i, seq in enumerate(seqs):
         par = seq.params
         if len(seq.output_ids) + ahead < par.min_tokens:  # EOS and stop token ids cannot end it yet
             banned += [(i, t) for t in (*par.stop_token_ids, *(() if par.ignore_eos else eos_ids)) if 0 <= t < vocab]
+        bias += [(i, t, b) for t, b in par.logit_bias]
+        penalized = penalized or par.penalized
         if par.logprobs is not None:
             s.logprob_rows.append(i)
             s.logprob_counts.append(min(par.logprobs, vocab))
@@ -120,24 +129,42 @@ def step_sampling(seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, st
             s.top_k = max(s.top_k, par.top_k)
         if par.top_p < 1.0:
             p[i], s.top_p = par.top_p, True
-    parts = []
+    parts: dict[str, np.ndarray] = {}
     if s.sampled:
-        parts += [greedy, inv_t, k, p, u]
+        parts["sampled"] = np.concatenate([greedy, inv_t, k, p, u])
     if banned:
-        parts.append(np.array(banned, dtype=np.float64).T.reshape(-1))
-    parts.append(np.array(s.logprob_rows, dtype=np.float64))
-    if len(parts) == 1 and not s.logprob_rows:
-        return s  # every row greedy, nothing suppressed, no logprobs: the argmax as it is
-    dev = staging.upload(np.concatenate(parts))
-    at = 0
-    if s.sampled:
-        s.greedy, s.inv_temperature, s.k = dev[:n] > 0.5, dev[n : 2 * n].float(), dev[2 * n : 3 * n].long()
-        s.p, s.u = dev[3 * n : 4 * n], dev[4 * n : 5 * n]
-        at = 5 * n
-    if banned:
-        pairs = dev[at : at + 2 * len(banned)].long()
-        s.banned = (pairs[: len(banned)], pairs[len(banned) :])
-        at += 2 * len(banned)
+        parts["banned"] = np.array(banned, dtype=np.float64).T.reshape(-1)
+    if bias:
+        parts["bias"] = np.array(bias, dtype=np.float64).T.reshape(-1)
+    layout = Layout(seqs, vocab, pending[1] if pending else None) if penalized else None
+    if layout is not None:
+        parts["penalties"] = np.concatenate(layout.parts)
     if s.logprob_rows:
-        s.logprob_index = dev[at:].long()
+        parts["logprobs"] = np.array(s.logprob_rows, dtype=np.float64)
+    if not parts:
+        return s  # every row greedy, nothing suppressed or adjusted, no logprobs: the argmax as it is
+    dev = _upload(staging, parts)
+    if s.sampled:
+        d = dev["sampled"]
+        s.greedy, s.inv_temperature, s.k = d[:n] > 0.5, d[n : 2 * n].float(), d[2 * n : 3 * n].long()
+        s.p, s.u = d[3 * n : 4 * n], d[4 * n : 5 * n]
+    if banned:
+        pairs = dev["banned"].long()
+        s.banned = (pairs[: len(banned)], pairs[len(banned) :])
+    if bias:
+        triples = dev["bias"]
+        s.bias = (triples[: len(bias)].long(), triples[len(bias) : 2 * len(bias)].long(), triples[2 * len(bias) :].float())
+    if layout is not None:
+        s.penalties = layout.device(dev["penalties"], pending[0] if pending else None)
+    if s.logprob_rows:
+        s.logprob_index = dev["logprobs"].long()
     return s
+
+
+def _upload(staging: Staging, parts: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Every part on the device in one copy, as slices of it by name."""
+    dev = staging.upload(np.concatenate(list(parts.values())))
+    out, at = {}, 0
+    for name, values in parts.items():
+        out[name], at = dev[at : at + values.size], at + values.size
+    return out
