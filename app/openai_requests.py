@@ -1,7 +1,7 @@
 """OpenAI request bodies (what the official client sends), validated strictly.
 
 Wrong types and out-of-range values fail validation (→ 400). Features the
-engine does not implement (n > 1, penalties, logit_bias, tools, echo, …) are
+engine does not implement (penalties, logit_bias, tools, echo, …) are
 rejected by name rather than silently ignored; unknown extra fields are ignored,
 as OpenAI-compatible servers do.
 """
@@ -18,6 +18,9 @@ _INT64 = 2**63 - 1
 # Every stop string is checked against the text after each token: bounded so one request's
 # stop list cannot make every decode step slow (OpenAI itself takes 4; vLLM has no cap).
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+# Choices of one request (n, best_of) run side by side in one replica's batch: bounded so one request
+# cannot take a replica's whole batch (OpenAI allows n up to 128; vLLM has no cap). docs/n_choices.md
+MAX_CHOICES = 16
 
 
 class _Body(BaseModel):
@@ -37,7 +40,7 @@ class _Sampling(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # an extension (vLLM's); 0 = off
     min_tokens: int = Field(0, ge=0)  # an extension (vLLM's)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     seed: int | None = Field(None, ge=-_INT64 - 1, le=_INT64)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -46,13 +49,6 @@ class _Sampling(_Body):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -87,6 +83,11 @@ class _Sampling(_Body):
         return self
 
     @property
+    def generated(self) -> int:
+        """Choices generated (best_of, where the endpoint has it); the n best are returned."""
+        return self.n
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -112,7 +113,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -130,11 +131,17 @@ class CompletionRequest(_Sampling):
     def _unsupported(self):
         if self.echo:
             raise ValueError("echo is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.stream and self.generated > self.n:
+            raise ValueError("best_of > n cannot be streamed: the best choices are known only at the end")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    @property
+    def generated(self) -> int:
+        return self.best_of or self.n
 
 
 class TextPart(_Body):
