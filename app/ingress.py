@@ -16,12 +16,12 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from ray import serve
 from transformers import AutoConfig
 
 from app import http_errors
-from app.admin import AdapterAdmin, RegisterAdapter
+from app.admin import AdapterAdmin, LoadLoraAdapter, RegisterAdapter, UnloadLoraAdapter
 from app.auth import Auth, Caller, is_loopback, serve_bind_host
 from app.choice_streams import Choices
 from app.client_stream import (MigrationPolicy, ResubmittingStream, collect, replica_submit, sse_events,
@@ -183,6 +183,18 @@ class Ingress:
     async def unregister_adapter(self, name: str, request: Request):
         self.auth.admin(request.headers.get("authorization"))
         return await self.admin.unregister(name)
+
+    @api.post("/v1/load_lora_adapter")  # vLLM's route and body: register's alias
+    async def load_lora_adapter(self, request: Request):
+        self.auth.admin(request.headers.get("authorization"))
+        body = await http_errors.parse_body(request, LoadLoraAdapter, self.settings.max_body_bytes)
+        return PlainTextResponse(await self.admin.load_lora_adapter(body))
+
+    @api.post("/v1/unload_lora_adapter")  # vLLM's route and body: unregister's alias
+    async def unload_lora_adapter(self, request: Request):
+        self.auth.admin(request.headers.get("authorization"))
+        body = await http_errors.parse_body(request, UnloadLoraAdapter, self.settings.max_body_bytes)
+        return PlainTextResponse(await self.admin.unload_lora_adapter(body))
 
     def _caller(self, request: Request) -> Caller:
         return self.auth.caller(request.headers.get("authorization"))
