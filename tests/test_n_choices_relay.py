@@ -177,3 +177,69 @@ def test_n_and_best_of_are_validated(fields, message):
     chat = parse_json(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3,
                                   "stream": True}).encode(), ChatCompletionRequest)
     assert (chat.n, chat.generated) == (3, 3)
+
+
+class _Call:
+    """LoraReplica.generate over an AsyncEngine, as Serve's streaming handle gives it to the ingress."""
+
+    def __init__(self, engine, request):
+        self.items, self.pending = self._items(engine, request), None
+
+    @staticmethod
+    async def _items(engine, request):
+        yield Accepted("A")
+        async for chunk in engine.generate(request):
+            yield chunk
+
+    async def __anext__(self):
+        self.pending = asyncio.ensure_future(self.items.__anext__())
+        return await self.pending
+
+    def cancel(self):  # Serve cancels the call: the engine's generator closes, aborting what still runs
+        if self.pending is not None:
+            self.pending.cancel()
+
+
+def test_choices_moved_by_the_ingress_equal_their_seeds_alone(tiny_model_dir):
+    """A real engine whose small KV cache preempts choices, each moved by the ingress (not locally):
+    every choice ends once, equal to its request alone, and no KV block stays held."""
+    import torch
+
+    from app.engine.async_engine import AsyncEngine
+    from app.engine.config import EngineConfig
+    from app.engine.factory import build_engine
+
+    def engine(blocks):
+        cfg = EngineConfig(block_size=4, num_kv_blocks=blocks, dtype=torch.float64, prefix_caching=False)
+        return build_engine(tiny_model_dir, cfg, {}, tokenizer=None)
+
+    rng = random.Random()
+    request = with_fixed_seed(GenerateRequest("r", tuple(rng.randrange(320) for _ in range(17)),
+                                              SamplingParams(max_tokens=20, min_tokens=20, temperature=0.9), n=3))
+    small = AsyncEngine(engine(17), migrate_locally=False)
+    submitted = []
+
+    def submit(r):
+        submitted.append(r)
+        return _Call(small, r)
+
+    async def go():
+        choices = await Choices.open(submit, request, POLICY)
+        async with aclosing(choices.chunks()) as relayed:
+            return [c async for c in relayed]
+
+    try:
+        chunks = asyncio.run(go())
+    finally:
+        small.shutdown()
+    assert len(submitted) > 1 and all(r.n == 1 for r in submitted[1:])  # choices moved, one by one
+    assert sorted(c.index for c in chunks if c.finish_reason) == [0, 1, 2]
+    alone = engine(128)
+    for j in range(3):
+        alone.add(request.choice(j))
+    expected = {j: [] for j in range(3)}
+    while alone.has_work():
+        for c in alone.step():
+            expected[c.index] += c.token_ids
+    assert _by_choice(chunks) == expected
+    assert small.core.allocator.num_free == 17
