@@ -41,6 +41,7 @@ class _Sampling(_Body):
     top_k: int = Field(0, ge=0)  # an extension (vLLM's); 0 = off
     min_tokens: int = Field(0, ge=0)  # an extension (vLLM's)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # on chat an extension (vLLM's)
     seed: int | None = Field(None, ge=-_INT64 - 1, le=_INT64)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -82,10 +83,18 @@ class _Sampling(_Body):
             raise ValueError("stream_options is only allowed with stream: true")
         return self
 
+    @model_validator(mode="after")
+    def _choices(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.stream and self.generated > self.n:
+            raise ValueError("best_of > n cannot be streamed: the best choices are known only at the end")
+        return self
+
     @property
     def generated(self) -> int:
-        """Choices generated (best_of, where the endpoint has it); the n best are returned."""
-        return self.n
+        """Choices generated (best_of); the n best are returned."""
+        return self.best_of or self.n
 
     @property
     def include_usage(self) -> bool:
@@ -113,7 +122,6 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -131,17 +139,9 @@ class CompletionRequest(_Sampling):
     def _unsupported(self):
         if self.echo:
             raise ValueError("echo is not supported")
-        if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
-        if self.stream and self.generated > self.n:
-            raise ValueError("best_of > n cannot be streamed: the best choices are known only at the end")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
-
-    @property
-    def generated(self) -> int:
-        return self.best_of or self.n
 
 
 class TextPart(_Body):

@@ -174,9 +174,11 @@ def test_n_and_best_of_are_validated(fields, message):
     assert message in err.value.errors()[0]["msg"]
     ok = parse_json(json.dumps({"model": "m", "prompt": "hi", "n": 2, "best_of": 4}).encode(), CompletionRequest)
     assert (ok.n, ok.generated) == (2, 4)
-    chat = parse_json(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3,
-                                  "stream": True}).encode(), ChatCompletionRequest)
-    assert (chat.n, chat.generated) == (3, 3)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3}
+    assert parse_json(json.dumps({**chat, "stream": True}).encode(), ChatCompletionRequest).generated == 3
+    assert parse_json(json.dumps({**chat, "best_of": 5}).encode(), ChatCompletionRequest).generated == 5  # vLLM's extension
+    with pytest.raises(RequestValidationError):
+        parse_json(json.dumps({**chat, **fields}).encode(), ChatCompletionRequest)  # the same rules
 
 
 class _Call:
