@@ -142,7 +142,8 @@ class ResubmittingStream:
         _migrations.inc(tags={"reason": reason})
         if len(self.moves) > self.policy.max_migrations:
             return ErrorChunk(self.request.request_id, f"the request was moved between replicas {len(self.moves) - 1} "
-                              f"times (limit max_migrations) without finishing: no replica has room for it", 503)
+                              f"times (limit max_migrations) without finishing: no replica has room for it", 503,
+                              self.request.index)
         log.info("moving %s off %s (%s) after %d tokens", self.request.request_id, self.replica, reason,
                  len(self.token_ids))
         resumed = dataclasses.replace(
@@ -152,9 +153,10 @@ class ResubmittingStream:
             return await self._connect(resumed, wait_s=self.policy.failover_wait_s)
         except asyncio.TimeoutError:
             return ErrorChunk(self.request.request_id, f"no replica took the request within "
-                              f"{self.policy.failover_wait_s:g} s after its replica stopped", 503)
+                              f"{self.policy.failover_wait_s:g} s after its replica stopped", 503, self.request.index)
         except (LoraplexError, BackPressureError) as exc:
-            return ErrorChunk(self.request.request_id, f"the request could not be resumed: {exc}", 503)
+            return ErrorChunk(self.request.request_id, f"the request could not be resumed: {exc}", 503,
+                              self.request.index)
 
     async def _connect(self, request: GenerateRequest, wait_s: float | None):
         """Submit; wait (bounded by wait_s) for a replica to accept; return its first item."""

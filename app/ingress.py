@@ -109,7 +109,8 @@ class Ingress:
         adapter, epoch = await self._resolve(body.model, caller)
         default_max = None if chat else _LEGACY_DEFAULT_MAX_TOKENS
         ranked = body.generated > body.n  # best_of ranks choices by their tokens' logprobs
-        params = body.sampling(len(ids), self.context_limit, default_max, 0 if ranked and logprobs is None else logprobs)
+        engine_logprobs = 0 if ranked and logprobs is None else logprobs
+        params = body.sampling(len(ids), self.context_limit, default_max, engine_logprobs)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request = with_fixed_seed(GenerateRequest(request_id, tuple(ids), params, adapter.name if adapter else None,
                                                   n=body.generated))

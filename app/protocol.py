@@ -65,7 +65,8 @@ class GenerateRequest:
         return dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed), n=1, index=self.index + j)
 
     def resumed(self, migrate: "Migrate") -> "GenerateRequest":
-        """The request to re-submit after ``migrate`` (same id and params; the choice it ended, alone, with its seed)."""
+        """The request to re-submit after ``migrate``: same id and params, the choice it ended,
+        alone, with its seed."""
         params = dataclasses.replace(self.params, seed=migrate.seed)
         return dataclasses.replace(self, params=params, resume_token_ids=migrate.output_token_ids, n=1,
                                    index=migrate.index)

@@ -176,7 +176,8 @@ def test_n_and_best_of_are_validated(fields, message):
     assert (ok.n, ok.generated) == (2, 4)
     chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3}
     assert parse_json(json.dumps({**chat, "stream": True}).encode(), ChatCompletionRequest).generated == 3
-    assert parse_json(json.dumps({**chat, "best_of": 5}).encode(), ChatCompletionRequest).generated == 5  # vLLM's extension
+    # best_of on chat: vLLM's extension
+    assert parse_json(json.dumps({**chat, "best_of": 5}).encode(), ChatCompletionRequest).generated == 5
     with pytest.raises(RequestValidationError):
         parse_json(json.dumps({**chat, **fields}).encode(), ChatCompletionRequest)  # the same rules
 

@@ -2,7 +2,8 @@
 
 A request owns a list of block ids; joining or leaving allocates or frees ids,
 never copies KV. The choices of one request (n > 1) share their prompt's full blocks by
-reference count (``share``; app/engine/scheduler.py forks them). A full block may also hold a cached prefix (app/engine/prefix_cache.py):
+reference count (``share``; app/engine/scheduler.py forks them). A full block may also
+hold a cached prefix (app/engine/prefix_cache.py):
 it is then shared read-only by reference count, and once no request holds it, it stays
 cached until a block is needed and it is the least recently used such block. So cached
 blocks count as free: they are taken back before anything else gives way.
