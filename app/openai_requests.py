@@ -1,7 +1,7 @@
 """OpenAI request bodies (what the official client sends), validated strictly.
 
 Wrong types and out-of-range values fail validation (→ 400). Features the
-engine does not implement (n > 1, tools, echo, …) are
+engine does not implement (tools, echo, …) are
 rejected by name rather than silently ignored; unknown extra fields are ignored,
 as OpenAI-compatible servers do.
 """
@@ -22,6 +22,9 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_LOGIT_BIAS = 1024
 _Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # OpenAI's range
 _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+# Choices of one request (n, best_of) run side by side in one replica's batch: bounded so one request
+# cannot take a replica's whole batch (OpenAI allows n up to 128; vLLM has no cap). docs/n_choices.md
+MAX_CHOICES = 16
 
 
 class _Body(BaseModel):
@@ -41,7 +44,8 @@ class _Sampling(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # an extension (vLLM's); 0 = off
     min_tokens: int = Field(0, ge=0)  # an extension (vLLM's)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # on chat an extension (vLLM's)
     seed: int | None = Field(None, ge=-_INT64 - 1, le=_INT64)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -51,13 +55,6 @@ class _Sampling(_Body):
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = 1.0  # vLLM's; 1 = off
     logit_bias: dict[str, _Bias] | None = None  # token id (as OpenAI's JSON keys: a string) → bias
     user: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("logit_bias")
     @classmethod
@@ -90,6 +87,19 @@ class _Sampling(_Body):
             raise ValueError("stream_options is only allowed with stream: true")
         return self
 
+    @model_validator(mode="after")
+    def _choices(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.stream and self.generated > self.n:
+            raise ValueError("best_of > n cannot be streamed: the best choices are known only at the end")
+        return self
+
+    @property
+    def generated(self) -> int:
+        """Choices generated (best_of); the n best are returned."""
+        return self.best_of or self.n
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -119,7 +129,6 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -137,8 +146,6 @@ class CompletionRequest(_Sampling):
     def _unsupported(self):
         if self.echo:
             raise ValueError("echo is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self

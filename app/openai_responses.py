@@ -1,5 +1,7 @@
 """OpenAI response bodies built from engine chunks: whole responses and SSE chunks,
-for `/v1/completions` (`text_completion`) and `/v1/chat/completions`."""
+for `/v1/completions` (`text_completion`) and `/v1/chat/completions`. A request of n
+choices answers with n choices, each with its `index`; its stream interleaves them, each
+chunk carrying one choice (docs/n_choices.md)."""
 from __future__ import annotations
 
 import json
@@ -43,6 +45,17 @@ class Output:
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
 
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of its tokens' logprobs: what best_of ranks choices by."""
+        return sum(e["logprob"] for e in self.logprobs)
+
+
+def best(outputs: list[Output], n: int) -> list[Output]:
+    """best_of: the n outputs of highest cumulative logprob (ties: the lower index first), best first."""
+    order = sorted(range(len(outputs)), key=lambda i: (-outputs[i].cumulative_logprob, i))
+    return [outputs[i] for i in order[:n]]
+
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -52,18 +65,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class Formatter:
     """Shapes one request's responses; `chat` selects the chat.completion flavour."""
 
-    def __init__(self, request_id: str, model: str, tokenizer, chat: bool, want_logprobs: bool):
-        self.id, self.model, self.chat, self.want_logprobs = request_id, model, chat, want_logprobs
+    def __init__(self, request_id: str, model: str, tokenizer, chat: bool, want_logprobs: bool, n: int = 1):
+        """n: the choices the client gets."""
+        self.id, self.model, self.chat, self.want_logprobs, self.n = request_id, model, chat, want_logprobs, n
         self.created = int(time.time())
         self.piece = lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
-        self.offset = 0  # completions' text_offset runs across stream chunks
+        self.offsets = [0] * n  # completions' text_offset runs across a choice's stream chunks
         self.encode = _json if want_logprobs else _fast  # logprobs carry floats that may be -inf
 
     # -- logprobs ---------------------------------------------------------------
-    def _logprobs(self, entries) -> dict | None:
+    def _logprobs(self, entries, index: int) -> dict | None:
         if not self.want_logprobs:
             return None
-        return self._chat_logprobs(entries) if self.chat else self._completion_logprobs(entries)
+        return self._chat_logprobs(entries) if self.chat else self._completion_logprobs(entries, index)
 
     def _token(self, token_id: int, logprob: float) -> dict:
         text = self.piece(token_id)
@@ -74,40 +88,48 @@ class Formatter:
                     "top_logprobs": [self._token(t, lp) for t, lp in e["top"]]} for e in entries]
         return {"content": content, "refusal": None}
 
-    def _completion_logprobs(self, entries) -> dict:
+    def _completion_logprobs(self, entries, index: int) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             text = self.piece(e["token_id"])
             out["tokens"].append(text)
             out["token_logprobs"].append(e["logprob"])
             out["top_logprobs"].append({self.piece(t): lp for t, lp in e["top"]})
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            out["text_offset"].append(self.offsets[index])
+            self.offsets[index] += len(text)
         return out
 
     # -- whole responses ----------------------------------------------------------
-    def response(self, out: Output) -> dict:
+    def response(self, outputs: list[Output], generated: int | None = None) -> dict:
+        """outputs: the choices returned, in index order; generated: completion tokens of every
+        choice generated (best_of counts those it dropped too)."""
+        choices = [self._choice(i, out) for i, out in enumerate(outputs)]
+        completion = sum(o.completion_tokens for o in outputs) if generated is None else generated
+        return {**self._head(), "choices": choices, "usage": usage(outputs[0].prompt_tokens, completion)}
+
+    def _choice(self, index: int, out: Output) -> dict:
         text = "".join(out.text)
-        choice = {"index": 0, "logprobs": self._logprobs(out.logprobs), "finish_reason": out.finish_reason}
+        choice = {"index": index, "logprobs": self._logprobs(out.logprobs, index), "finish_reason": out.finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return {**self._head(), "choices": [choice], "usage": usage(out.prompt_tokens, out.completion_tokens)}
+        return choice
 
     # -- stream chunks --------------------------------------------------------------
-    def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant role (as OpenAI's do)."""
-        return self._chunk({"role": "assistant", "content": ""}, None, None) if self.chat else None
+    def first_chunks(self) -> list[dict]:
+        """Chat streams open with the assistant role, once per choice (as OpenAI's do)."""
+        return [self._chunk({"role": "assistant", "content": ""}, None, None, i) for i in range(self.n)] \
+            if self.chat else []
 
     def chunk(self, c: TokenChunk) -> dict:
-        return self._chunk({"content": c.text} if self.chat else c.text, c.logprobs or (), c.finish_reason)
+        return self._chunk({"content": c.text} if self.chat else c.text, c.logprobs or (), c.finish_reason, c.index)
 
-    def usage_chunk(self, c: TokenChunk) -> dict:
-        return {**self._head(stream=True), "choices": [], "usage": usage(c.prompt_tokens, c.completion_tokens)}
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {**self._head(stream=True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
-    def _chunk(self, delta, entries, finish_reason) -> dict:
-        choice = {"index": 0, "logprobs": self._logprobs(entries) if entries is not None else None,
+    def _chunk(self, delta, entries, finish_reason, index: int) -> dict:
+        choice = {"index": index, "logprobs": self._logprobs(entries, index) if entries is not None else None,
                   "finish_reason": finish_reason}
         choice["delta" if self.chat else "text"] = delta
         return {**self._head(stream=True), "choices": [choice]}

@@ -78,9 +78,10 @@ class LoraReplica:
         self.arrivals.append((time.time(), arrival_key(request.request_id, len(request.resume_token_ids))))
         try:
             yield Accepted(self.replica_id)
-            if self.draining:  # routed here before the router saw the drain: move on at once
-                yield Migrate(request.request_id, request.prompt_token_ids, request.resume_token_ids,
-                              request.params.seed or 0, "draining")
+            if self.draining:  # routed here before the router saw the drain: every choice moves on at once
+                for c in map(request.choice, range(request.n)):
+                    yield Migrate(c.request_id, c.prompt_token_ids, c.resume_token_ids, c.params.seed or 0, "draining",
+                                  c.index)
                 return
             await self._sync(epoch)
             if adapter is not None:

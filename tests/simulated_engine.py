@@ -84,6 +84,8 @@ class SimulatedCore:
     def add(self, request: GenerateRequest, front: bool = False, adapter=None) -> None:
         if request.request_id in self._seqs:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
+        if request.n != 1:  # its streams would wait for choices it never makes
+            raise InvalidRequestError("the simulated engine generates one choice per request (n=1)")
         if len(request.prompt_token_ids) + request.params.max_tokens > self.max_model_len:
             raise ContextLengthError("prompt + max_tokens exceed the context length")
         self._arrivals += 1
