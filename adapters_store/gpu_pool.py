@@ -152,7 +152,7 @@ class LoraPool:
         self.loads += 1
         start = time.perf_counter()
         if self._copier is None:
-            self._fill(slot, weights.stacks, r, scale)
+            self.fill(slot, weights.stacks, r, scale)
             self.on_load(weights.nbytes, time.perf_counter() - start)
             return
         slot_free = torch.cuda.Event()  # the slot may still be read by steps queued before now
@@ -165,13 +165,13 @@ class LoraPool:
             self._copy_stream.wait_event(slot_free)
             staging = weights.buffer.to(self.config.device, non_blocking=True)  # the one host→device copy
             on_device = lambda t: staging.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731
-            self._fill(slot, {m: ModuleStack(st.layers, on_device(st.A), on_device(st.Bt))
+            self.fill(slot, {m: ModuleStack(st.layers, on_device(st.A), on_device(st.Bt))
                               for m, st in weights.stacks.items()}, weights.manifest.rank, weights.manifest.scale)
             done = torch.cuda.Event()
             done.record(self._copy_stream)
         return done, staging
 
-    def _fill(self, slot: int, stacks: dict[str, ModuleStack], r: int, scale: float) -> None:
+    def fill(self, slot: int, stacks: dict[str, ModuleStack], r: int, scale: float) -> None:
         """Rows beyond the rank and modules the adapter lacks are left as they are: the
         kernels read A/B only up to the slot's rank, and segments skip untargeted modules."""
         for m, st in stacks.items():

@@ -1,5 +1,7 @@
 """Adapter administration behind the admin routes: register a PEFT directory (or an
-s3:// URI), list, unregister. A new adapter is loaded by one replica first (that
+s3:// URI), list, unregister; and vLLM's `/v1/load_lora_adapter` and
+`/v1/unload_lora_adapter` (its bodies, its plain-text answers) as aliases of register and
+unregister, so gateways written for vLLM drive this server unchanged. A new adapter is loaded by one replica first (that
 validates it: a bad adapter is a 400 and never enters the registry); the others load
 it from its spec on their first request for it (see app/registry.py).
 
@@ -29,6 +31,21 @@ class RegisterAdapter(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     name: str = Field(pattern=NAME.pattern)
     path: str = Field(min_length=1, max_length=_MAX_PATH)  # a PEFT directory on the replicas' machines, or s3://bucket/prefix/
+
+
+class LoadLoraAdapter(BaseModel):
+    """vLLM's load body. load_inplace: replace an adapter registered under that name (else a 400)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str = Field(pattern=NAME.pattern)
+    lora_path: str = Field(min_length=1, max_length=_MAX_PATH)
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapter(BaseModel):
+    """vLLM's unload body; lora_int_id is accepted and unused: names identify adapters (vLLM, too, unloads by name)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
 
 
 def spec_json(spec: AdapterSpec) -> dict:
@@ -96,3 +113,16 @@ class AdapterAdmin:
         if not await self.registry.remove.remote(name):
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
         return {"name": name, "deleted": True}
+
+    # -- vLLM's routes -----------------------------------------------------------------------
+    async def load_lora_adapter(self, body: LoadLoraAdapter) -> str:
+        """register, under vLLM's rule that a loaded name is only replaced when asked to."""
+        specs, _ = await self.registry.list.remote()
+        if not body.load_inplace and any(s.name == body.lora_name for s in specs):
+            raise InvalidRequestError(f"adapter {body.lora_name!r} is already loaded (load_inplace: true replaces it)")
+        await self.register(RegisterAdapter(name=body.lora_name, path=body.lora_path))
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    async def unload_lora_adapter(self, body: UnloadLoraAdapter) -> str:
+        await self.unregister(body.lora_name)
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

@@ -39,7 +39,7 @@ from ray.serve.metrics import Counter
 
 from app.errors import LoraplexError, OverloadedError
 from app.http_errors import error_body, error_response
-from app.openai_responses import Formatter, Output, sse
+from app.openai_responses import Formatter, Output, best, sse
 from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, TokenChunk, is_final
 from cluster.router import on_replicas_leaving
 
@@ -103,11 +103,18 @@ class ResubmittingStream:
     async def open(cls, submit: Callable, request: GenerateRequest, policy: MigrationPolicy) -> "ResubmittingStream":
         """Validation errors (a LoraplexError) raise here, before any HTTP response starts."""
         stream = cls(submit, request, policy)
+        await stream.start()
+        return stream
+
+    async def start(self) -> None:
         try:
-            stream._first = await stream._connect(request, wait_s=None)
+            self._first = await self._connect(self.request, wait_s=None)
         except BackPressureError:
             raise OverloadedError("too many requests are waiting for a replica; retry later") from None
-        return stream
+
+    def close(self) -> None:
+        """Give up a stream that was opened (or failed to) but will not be read."""
+        self._release(cancel=True)
 
     async def chunks(self) -> AsyncIterator[TokenChunk | ErrorChunk]:
         finished = False
@@ -135,7 +142,8 @@ class ResubmittingStream:
         _migrations.inc(tags={"reason": reason})
         if len(self.moves) > self.policy.max_migrations:
             return ErrorChunk(self.request.request_id, f"the request was moved between replicas {len(self.moves) - 1} "
-                              f"times (limit max_migrations) without finishing: no replica has room for it", 503)
+                              f"times (limit max_migrations) without finishing: no replica has room for it", 503,
+                              self.request.index)
         log.info("moving %s off %s (%s) after %d tokens", self.request.request_id, self.replica, reason,
                  len(self.token_ids))
         resumed = dataclasses.replace(
@@ -145,9 +153,10 @@ class ResubmittingStream:
             return await self._connect(resumed, wait_s=self.policy.failover_wait_s)
         except asyncio.TimeoutError:
             return ErrorChunk(self.request.request_id, f"no replica took the request within "
-                              f"{self.policy.failover_wait_s:g} s after its replica stopped", 503)
+                              f"{self.policy.failover_wait_s:g} s after its replica stopped", 503, self.request.index)
         except (LoraplexError, BackPressureError) as exc:
-            return ErrorChunk(self.request.request_id, f"the request could not be resumed: {exc}", 503)
+            return ErrorChunk(self.request.request_id, f"the request could not be resumed: {exc}", 503,
+                              self.request.index)
 
     async def _connect(self, request: GenerateRequest, wait_s: float | None):
         """Submit; wait (bounded by wait_s) for a replica to accept; return its first item."""
@@ -225,35 +234,42 @@ def _failure(chunk) -> tuple[str, int] | None:
     return None
 
 
-async def sse_events(fmt: Formatter, stream: ResubmittingStream, include_usage: bool) -> AsyncIterator[bytes]:
-    """SSE events ending with `data: [DONE]` (one event per item, however many tokens it
-    carries); a failure mid-stream becomes an error event first."""
+async def sse_events(fmt: Formatter, stream, include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE events ending with `data: [DONE]` (one event per item, however many tokens it carries;
+    a request's fmt.n choices interleaved, the usage chunk after the last one ends); a failure
+    mid-stream becomes an error event first. stream: a ResubmittingStream or app.choice_streams.Choices."""
     try:
-        opening = fmt.first_chunk()
-        if opening:
+        for opening in fmt.first_chunks():
             yield sse(opening, fmt.encode)
+        completion: dict[int, int] = {}  # choice → its completion tokens so far
         async with aclosing(stream.chunks()) as chunks:
             async for chunk in chunks:
                 failed = _failure(chunk)
                 if failed:
                     yield sse(error_body(failed[0], failed[1], "engine_error"))
                     break
-                if chunk.finish_reason and include_usage:
-                    yield sse(fmt.chunk(chunk), fmt.encode) + sse(fmt.usage_chunk(chunk))
-                else:
-                    yield sse(fmt.chunk(chunk), fmt.encode)
+                event = sse(fmt.chunk(chunk), fmt.encode)
+                if chunk.finish_reason:
+                    completion[chunk.index] = chunk.completion_tokens
+                    if include_usage and len(completion) == fmt.n:
+                        event += sse(fmt.usage_chunk(chunk.prompt_tokens, sum(completion.values())))
+                yield event
     except Exception as exc:  # the replica died or the call failed: tell the client in-band
         log.exception("stream failed")
         yield sse(error_body(f"generation failed: {type(exc).__name__}", 500, "engine_error"))
     yield sse("[DONE]")
 
 
-async def collect(fmt: Formatter, stream: ResubmittingStream) -> JSONResponse:
-    out = Output()
+async def collect(fmt: Formatter, stream, generated: int = 1) -> JSONResponse:
+    """The whole response: ``generated`` choices, of which the fmt.n best are returned when
+    generated > fmt.n (best_of)."""
+    outputs = [Output() for _ in range(generated)]
     async with aclosing(stream.chunks()) as chunks:
         async for chunk in chunks:
             failed = _failure(chunk)
             if failed:
                 return error_response(failed[0], failed[1], "engine_error")
-            out.add(chunk)
-    return JSONResponse(fmt.response(out))
+            outputs[chunk.index].add(chunk)
+    if generated == fmt.n:
+        return JSONResponse(fmt.response(outputs))
+    return JSONResponse(fmt.response(best(outputs, fmt.n), sum(o.completion_tokens for o in outputs)))

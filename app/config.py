@@ -18,7 +18,7 @@ from adapters_store.paths import parse_uri
 from adapters_store.store import StoreConfig
 from app.adapter_args import AdapterCacheArgs, store_config
 from app.engine.config import EngineConfig
-from app.tp_serve import tensor_parallel_options
+from app.engine.tp.placement import tensor_parallel_options
 from cluster.autoscaling import ray_autoscaling_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -154,11 +154,12 @@ _GRACEFUL = {"graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
              "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
 
 
-def _adapter_roots(roots: list[str] | None, dirs: tuple[str, ...]) -> tuple[str, ...]:
-    """Local roots resolved (symlinks followed) like adapter_dirs; s3:// prefixes as given.
-    The default: every adapter_dir, and any s3:// location the replicas' credentials reach."""
+def _adapter_roots(roots: list[str] | None, dirs: tuple[str, ...], source: str | None) -> tuple[str, ...]:
+    """Local roots resolved (symlinks followed) like adapter_dirs; s3:// prefixes as given. The default:
+    every adapter_dir, a local adapter_source, and any s3:// location the replicas' credentials reach."""
     if roots is None:
-        return (*dirs, "s3://")
+        local_source = _adapter_dirs([source], "adapter_source") if source and not source.startswith("s3://") else ()
+        return (*dirs, *local_source, "s3://")
     local = [r for r in roots if not r.startswith("s3://")]
     resolved = iter(_adapter_dirs(local, "adapter_roots"))
     return tuple(r if r.startswith("s3://") else next(resolved) for r in roots)
@@ -249,6 +250,6 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         ingress_options=a.ingress.options(num_replicas=1, max_ongoing_requests=1024, **_GRACEFUL),
         max_body_bytes=a.max_body_bytes, registry_path=a.registry_path,
         max_migrations=a.cluster.max_migrations, failover_wait_s=a.cluster.failover_wait_s,
-        adapter_roots=_adapter_roots(a.adapter_roots, dirs),
+        adapter_roots=_adapter_roots(a.adapter_roots, dirs, a.adapter_source),
         adapter_store=adapter_store, tool_parser=a.tool_parser,
     )

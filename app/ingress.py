@@ -17,13 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jinja2
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from ray import serve
 from transformers import AutoConfig
 
 from app import http_errors
-from app.admin import AdapterAdmin, RegisterAdapter
+from app.admin import AdapterAdmin, LoadLoraAdapter, RegisterAdapter, UnloadLoraAdapter
 from app.auth import Auth, Caller, is_loopback, serve_bind_host
+from app.choice_streams import Choices
 from app.client_stream import (MigrationPolicy, ResubmittingStream, collect, replica_submit, sse_events,
                                with_fixed_seed)
 from app.config import Settings
@@ -117,18 +118,22 @@ class Ingress:
                         tools: ToolPlan | None = None):
         adapter, epoch = await self._resolve(body.model, caller)
         default_max = None if chat else _LEGACY_DEFAULT_MAX_TOKENS
-        params = body.sampling(len(ids), self.context_limit, default_max, logprobs)
+        ranked = body.generated > body.n  # best_of ranks choices by their tokens' logprobs
+        engine_logprobs = 0 if ranked and logprobs is None else logprobs
+        params = body.sampling(len(ids), self.context_limit, default_max, engine_logprobs)
         params = tools.constrain(params) if tools else params
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        request = with_fixed_seed(GenerateRequest(request_id, tuple(ids), params, adapter.name if adapter else None))
+        request = with_fixed_seed(GenerateRequest(request_id, tuple(ids), params, adapter.name if adapter else None,
+                                                  n=body.generated))
         submit = replica_submit(self.generate_on_replica, adapter, epoch)
-        # validation errors raise here, before any bytes go out; later the stream moves between replicas
-        stream = await ResubmittingStream.open(submit, request, self.migration)
-        fmt = Formatter(request_id, body.model, self.tokenizer, chat, logprobs is not None,
-                        tools.parser(self.tokenizer) if tools else None)
+        # validation errors raise here, before any bytes go out; later each choice moves between replicas
+        opener = Choices.open if request.n > 1 else ResubmittingStream.open
+        stream = await opener(submit, request, self.migration)
+        parsers = [tools.parser(self.tokenizer) for _ in range(body.n)] if tools else None
+        fmt = Formatter(request_id, body.model, self.tokenizer, chat, logprobs is not None, body.n, parsers)
         if body.stream:
             return StreamingResponse(sse_events(fmt, stream, body.include_usage), media_type="text/event-stream")
-        return await collect(fmt, stream)
+        return await collect(fmt, stream, request.n)
 
     async def _resolve(self, model: str, caller: Caller) -> tuple[AdapterSpec | None, int]:
         """(adapter spec or None for the base model, registry epoch); a 404 for anything the
@@ -191,6 +196,18 @@ class Ingress:
     async def unregister_adapter(self, name: str, request: Request):
         self.auth.admin(request.headers.get("authorization"))
         return await self.admin.unregister(name)
+
+    @api.post("/v1/load_lora_adapter")  # vLLM's route and body: register's alias
+    async def load_lora_adapter(self, request: Request):
+        self.auth.admin(request.headers.get("authorization"))
+        body = await http_errors.parse_body(request, LoadLoraAdapter, self.settings.max_body_bytes)
+        return PlainTextResponse(await self.admin.load_lora_adapter(body))
+
+    @api.post("/v1/unload_lora_adapter")  # vLLM's route and body: unregister's alias
+    async def unload_lora_adapter(self, request: Request):
+        self.auth.admin(request.headers.get("authorization"))
+        body = await http_errors.parse_body(request, UnloadLoraAdapter, self.settings.max_body_bytes)
+        return PlainTextResponse(await self.admin.unload_lora_adapter(body))
 
     def _caller(self, request: Request) -> Caller:
         return self.auth.caller(request.headers.get("authorization"))

@@ -1,7 +1,7 @@
 """OpenAI request bodies (what the official client sends), validated strictly.
 
 Wrong types and out-of-range values fail validation (→ 400). Features the
-engine does not implement (n > 1, penalties, logit_bias, echo, …) are
+engine does not implement (echo, suffix, guided_grammar, …) are
 rejected by name rather than silently ignored; unknown extra fields are ignored,
 as OpenAI-compatible servers do. Structured output (`response_format` json_object /
 json_schema, and vLLM's `guided_json` / `guided_regex` / `guided_choice`) becomes the
@@ -10,7 +10,7 @@ request's Guide; whether the engine can compile it is checked before generation 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -21,6 +21,13 @@ _INT64 = 2**63 - 1
 # Every stop string is checked against the text after each token: bounded so one request's
 # stop list cannot make every decode step slow (OpenAI itself takes 4; vLLM has no cap).
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+# logit_bias goes to the device with every step of the request: bounded like the stop strings.
+MAX_LOGIT_BIAS = 1024
+_Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # OpenAI's range
+_Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+# Choices of one request (n, best_of) run side by side in one replica's batch: bounded so one request
+# cannot take a replica's whole batch (OpenAI allows n up to 128; vLLM has no cap). docs/n_choices.md
+MAX_CHOICES = 16
 
 
 class _Body(BaseModel):
@@ -62,14 +69,16 @@ class _Sampling(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # an extension (vLLM's); 0 = off
     min_tokens: int = Field(0, ge=0)  # an extension (vLLM's)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # on chat an extension (vLLM's)
     seed: int | None = Field(None, ge=-_INT64 - 1, le=_INT64)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: _Penalty | None = 0.0
+    frequency_penalty: _Penalty | None = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = 1.0  # vLLM's; 1 = off
+    logit_bias: dict[str, _Bias] | None = None  # token id (as OpenAI's JSON keys: a string) → bias
     user: str | None = None
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # extensions (vLLM's)
@@ -77,25 +86,17 @@ class _Sampling(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None  # rejected by name
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported (only 0)")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _bias_ids(cls, value):
+        """Keys are token ids; whether the model has them is the engine's check (it knows the vocabulary)."""
+        if value and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are supported, got {len(value)}")
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:20]!r}")
+        if value and len({int(key) for key in value}) < len(value):
+            raise ValueError("logit_bias names a token id twice")
         return value
 
     @field_validator("stop")
@@ -155,6 +156,19 @@ class _Sampling(_Body):
             raise ValueError("stream_options is only allowed with stream: true")
         return self
 
+    @model_validator(mode="after")
+    def _choices(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.stream and self.generated > self.n:
+            raise ValueError("best_of > n cannot be streamed: the best choices are known only at the end")
+        return self
+
+    @property
+    def generated(self) -> int:
+        """Choices generated (best_of); the n best are returned."""
+        return self.best_of or self.n
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -174,6 +188,9 @@ class _Sampling(_Body):
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, min_tokens=min(self.min_tokens, max_tokens), stop=stop, logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
             guide=self.guide(),
         )
 
@@ -182,7 +199,6 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -200,8 +216,6 @@ class CompletionRequest(_Sampling):
     def _unsupported(self):
         if self.echo:
             raise ValueError("echo is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self

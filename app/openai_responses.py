@@ -1,6 +1,8 @@
 """OpenAI response bodies built from engine chunks: whole responses and SSE chunks,
 for `/v1/completions` (`text_completion`) and `/v1/chat/completions` (with `tool_calls` when
-the request's tools were called: app/tool_calls/)."""
+the request's tools were called: app/tool_calls/). A request of n choices answers with n
+choices, each with its `index`; its stream interleaves them, each chunk carrying one choice
+(docs/n_choices.md), and each choice's tool calls are parsed on their own."""
 from __future__ import annotations
 
 import json
@@ -46,6 +48,17 @@ class Output:
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
 
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of its tokens' logprobs: what best_of ranks choices by."""
+        return sum(e["logprob"] for e in self.logprobs)
+
+
+def best(outputs: list[Output], n: int) -> list[Output]:
+    """best_of: the n outputs of highest cumulative logprob (ties: the lower index first), best first."""
+    order = sorted(range(len(outputs)), key=lambda i: (-outputs[i].cumulative_logprob, i))
+    return [outputs[i] for i in order[:n]]
+
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -67,22 +80,26 @@ def _tool_calls(calls) -> list[dict]:
 
 
 class Formatter:
-    """Shapes one request's responses; `chat` selects the chat.completion flavour; `tools` (an
-    app.tool_calls OutputParser) turns the answer's tool-call text into `tool_calls`."""
+    """Shapes one request's responses; `chat` selects the chat.completion flavour; `tools` (one
+    app.tool_calls OutputParser per choice) turn each answer's tool-call text into `tool_calls`."""
 
-    def __init__(self, request_id: str, model: str, tokenizer, chat: bool, want_logprobs: bool, tools=None):
-        self.id, self.model, self.chat, self.want_logprobs = request_id, model, chat, want_logprobs
+    def __init__(self, request_id: str, model: str, tokenizer, chat: bool, want_logprobs: bool, n: int = 1,
+                 tools: list | None = None):
+        """n: the choices the client gets; tools: None, or n parsers, the one of choice i at i."""
+        self.id, self.model, self.chat, self.want_logprobs, self.n = request_id, model, chat, want_logprobs, n
+        if tools is not None and len(tools) != n:
+            raise ValueError(f"{len(tools)} tool-call parsers for {n} choices")
         self.tools = tools
         self.created = int(time.time())
         self.piece = lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
-        self.offset = 0  # completions' text_offset runs across stream chunks
+        self.offsets = [0] * n  # completions' text_offset runs across a choice's stream chunks
         self.encode = _json if want_logprobs else _fast  # logprobs carry floats that may be -inf
 
     # -- logprobs ---------------------------------------------------------------
-    def _logprobs(self, entries) -> dict | None:
+    def _logprobs(self, entries, index: int) -> dict | None:
         if not self.want_logprobs:
             return None
-        return self._chat_logprobs(entries) if self.chat else self._completion_logprobs(entries)
+        return self._chat_logprobs(entries) if self.chat else self._completion_logprobs(entries, index)
 
     def _token(self, token_id: int, logprob: float) -> dict:
         text = self.piece(token_id)
@@ -93,62 +110,71 @@ class Formatter:
                     "top_logprobs": [self._token(t, lp) for t, lp in e["top"]]} for e in entries]
         return {"content": content, "refusal": None}
 
-    def _completion_logprobs(self, entries) -> dict:
+    def _completion_logprobs(self, entries, index: int) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             text = self.piece(e["token_id"])
             out["tokens"].append(text)
             out["token_logprobs"].append(e["logprob"])
             out["top_logprobs"].append({self.piece(t): lp for t, lp in e["top"]})
-            out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            out["text_offset"].append(self.offsets[index])
+            self.offsets[index] += len(text)
         return out
 
     # -- whole responses ----------------------------------------------------------
-    def response(self, out: Output) -> dict:
+    def response(self, outputs: list[Output], generated: int | None = None) -> dict:
+        """outputs: the choices returned, in index order; generated: completion tokens of every
+        choice generated (best_of counts those it dropped too)."""
+        choices = [self._choice(i, out) for i, out in enumerate(outputs)]
+        completion = sum(o.completion_tokens for o in outputs) if generated is None else generated
+        return {**self._head(), "choices": choices, "usage": usage(outputs[0].prompt_tokens, completion)}
+
+    def _choice(self, index: int, out: Output) -> dict:
         text = "".join(out.text)
-        choice = {"index": 0, "logprobs": self._logprobs(out.logprobs)}
+        choice = {"index": index, "logprobs": self._logprobs(out.logprobs, index)}
         if self.chat:
-            message = self._tool_message(out.token_ids, text) if self.tools else {"role": "assistant", "content": text}
-            choice["message"] = message
+            choice["message"] = self._tool_message(index, out.token_ids, text) if self.tools else \
+                {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["finish_reason"] = self._finish(out.finish_reason)  # after the message: its calls decide
-        return {**self._head(), "choices": [choice], "usage": usage(out.prompt_tokens, out.completion_tokens)}
+        choice["finish_reason"] = self._finish(out.finish_reason, index)  # after the message: its calls decide
+        return choice
 
-    def _tool_message(self, token_ids: list[int], text: str) -> dict:
-        delta = self.tools.feed(token_ids, text, final=True)
-        if not self.tools.calls:
+    def _tool_message(self, index: int, token_ids: list[int], text: str) -> dict:
+        parser = self.tools[index]
+        delta = parser.feed(token_ids, text, final=True)
+        if not parser.calls:
             return {"role": "assistant", "content": delta.content}
-        return {"role": "assistant", "content": delta.content or None, "tool_calls": _tool_calls(self.tools.calls)}
+        return {"role": "assistant", "content": delta.content or None, "tool_calls": _tool_calls(parser.calls)}
 
-    def _finish(self, reason: str | None) -> str | None:
-        """A model that stopped after calling tools finished with "tool_calls" (as OpenAI says)."""
-        return "tool_calls" if reason == "stop" and self.tools and self.tools.calls else reason
+    def _finish(self, reason: str | None, index: int) -> str | None:
+        """A choice that stopped after calling tools finished with "tool_calls" (as OpenAI says)."""
+        return "tool_calls" if reason == "stop" and self.tools and self.tools[index].calls else reason
 
     # -- stream chunks --------------------------------------------------------------
-    def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant role (as OpenAI's do)."""
-        return self._chunk({"role": "assistant", "content": ""}, None, None) if self.chat else None
+    def first_chunks(self) -> list[dict]:
+        """Chat streams open with the assistant role, once per choice (as OpenAI's do)."""
+        return [self._chunk({"role": "assistant", "content": ""}, None, None, i) for i in range(self.n)] \
+            if self.chat else []
 
     def chunk(self, c: TokenChunk) -> dict:
         if self.chat and self.tools:
-            return self._chunk(self._tool_delta(c), c.logprobs or (), self._finish(c.finish_reason))
-        return self._chunk({"content": c.text} if self.chat else c.text, c.logprobs or (), c.finish_reason)
+            return self._chunk(self._tool_delta(c), c.logprobs or (), self._finish(c.finish_reason, c.index), c.index)
+        return self._chunk({"content": c.text} if self.chat else c.text, c.logprobs or (), c.finish_reason, c.index)
 
     def _tool_delta(self, c: TokenChunk) -> dict:
         """Text held back while it may still be part of a call makes an empty delta (as OpenAI's last)."""
-        parsed = self.tools.feed(c.token_ids, c.text, final=c.finish_reason is not None)
+        parsed = self.tools[c.index].feed(c.token_ids, c.text, final=c.finish_reason is not None)
         delta = {"content": parsed.content} if parsed.content else {}
         if parsed.calls:
             delta["tool_calls"] = _call_deltas(parsed.calls)
         return delta
 
-    def usage_chunk(self, c: TokenChunk) -> dict:
-        return {**self._head(stream=True), "choices": [], "usage": usage(c.prompt_tokens, c.completion_tokens)}
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {**self._head(stream=True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
-    def _chunk(self, delta, entries, finish_reason) -> dict:
-        choice = {"index": 0, "logprobs": self._logprobs(entries) if entries is not None else None,
+    def _chunk(self, delta, entries, finish_reason, index: int) -> dict:
+        choice = {"index": index, "logprobs": self._logprobs(entries, index) if entries is not None else None,
                   "finish_reason": finish_reason}
         choice["delta" if self.chat else "text"] = delta
         return {**self._head(stream=True), "choices": [choice]}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from app.errors import InvalidRequestError
@@ -26,6 +27,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n = chosen token + top-n alternatives
+    # OpenAI's penalties, over the tokens generated so far; vLLM's repetition_penalty over prompt and output
+    # (1 = off); logit_bias as (token id, bias) pairs. Semantics and order: docs/sampling.md.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     guide: Guide | None = None  # structured output: the grammar every generated token must follow
 
     def __post_init__(self):
@@ -37,6 +44,12 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty < math.inf, "repetition_penalty must be > 0 and finite (1 disables it)"),
+            (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+             "logit_bias maps token ids >= 0 to biases in [-100, 100]"),
+            (len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias names a token id twice"),
         ]
         for ok, message in checks:
             if not ok:
@@ -45,6 +58,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def check_vocabulary(self, vocab: int) -> None:
+        """Refuse logit_bias token ids the model does not have (the one check that needs the model)."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{vocab - 1})")
 
 
 @dataclass(frozen=True)
@@ -64,11 +87,26 @@ class GenerateRequest:
     resume_text_chars: int | None = None
     avoid_replicas: tuple[str, ...] = ()
     migrated_from: str | None = None
+    n: int = 1  # choices generated from the prompt, with indices index … index+n−1 (docs/n_choices.md)
+    index: int = 0  # its first choice's index (a choice re-submitted alone keeps its own)
+
+    def choice(self, j: int) -> "GenerateRequest":
+        """Its j-th choice as a request of its own: what that choice equals, token for token."""
+        seed = None if self.params.seed is None else choice_seed(self.params.seed, j)
+        return dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed), n=1, index=self.index + j)
 
     def resumed(self, migrate: "Migrate") -> "GenerateRequest":
-        """The request to re-submit after ``migrate`` (same id, params and seed)."""
+        """The request to re-submit after ``migrate``: same id and params, the choice it ended,
+        alone, with its seed."""
         params = dataclasses.replace(self.params, seed=migrate.seed)
-        return dataclasses.replace(self, params=params, resume_token_ids=migrate.output_token_ids)
+        return dataclasses.replace(self, params=params, resume_token_ids=migrate.output_token_ids, n=1,
+                                   index=migrate.index)
+
+
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of the j-th choice of a request seeded ``seed``: seed + j, wrapped into the signed 64-bit
+    range the API accepts, so every choice can be asked for alone with its own seed."""
+    return (seed + j + 2**63) % 2**64 - 2**63
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +120,8 @@ class TokenChunk:
     logprobs: tuple[dict, ...] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # of this choice
+    index: int = 0  # the choice it belongs to
 
     def then(self, later: "TokenChunk") -> "TokenChunk":
         """This chunk followed by ``later`` as one: tokens, text and logprobs concatenated;
@@ -90,7 +129,7 @@ class TokenChunk:
         logprobs = None if self.logprobs is None and later.logprobs is None else \
             (self.logprobs or ()) + (later.logprobs or ())
         return TokenChunk(self.request_id, self.token_ids + later.token_ids, self.text + later.text, logprobs,
-                          later.finish_reason, later.prompt_tokens, later.completion_tokens)
+                          later.finish_reason, later.prompt_tokens, later.completion_tokens, later.index)
 
 
 @dataclass(frozen=True)
@@ -101,8 +140,9 @@ class Migrate:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
-    seed: int
+    seed: int  # the choice's own
     reason: str
+    index: int = 0  # the choice that left
 
 
 @dataclass(frozen=True)
@@ -117,22 +157,29 @@ class ErrorChunk:
     request_id: str
     message: str
     status: int = 500
+    index: int = 0  # the choice it ends
 
 
 Chunk = TokenChunk | Migrate | ErrorChunk
 
 
 def is_final(item) -> bool:
-    """Whether ``item`` ends a replica's stream for its request: the one definition."""
+    """Whether ``item`` ends its choice (its request's stream once every choice has ended): the one definition."""
     return isinstance(item, (Migrate, ErrorChunk)) or (isinstance(item, TokenChunk) and item.finish_reason is not None)
 
 
 def coalesce(chunks: list[Chunk]) -> list[Chunk]:
-    """``chunks`` with each run of consecutive TokenChunks merged into one (in order)."""
+    """``chunks`` with each choice's run of consecutive TokenChunks merged into one: every choice's
+    items keep their order (choices interleave, and their relative order carries no meaning)."""
     out: list[Chunk] = []
+    open_at: dict[int, int] = {}  # choice → where in `out` its unfinished TokenChunk is
     for chunk in chunks:
-        if out and isinstance(chunk, TokenChunk) and isinstance(out[-1], TokenChunk) and not is_final(out[-1]):
-            out[-1] = out[-1].then(chunk)
+        at = open_at.pop(chunk.index, None)
+        if at is not None and isinstance(chunk, TokenChunk):
+            out[at] = out[at].then(chunk)
         else:
+            at = len(out)
             out.append(chunk)
+        if isinstance(chunk, TokenChunk) and not is_final(out[at]):
+            open_at[chunk.index] = at
     return out

@@ -48,7 +48,7 @@ def build_async_engine(settings: ReplicaSettings) -> AsyncEngine:
 
 def _stats(core) -> dict:
     stats = {**core.stats(), "adapters": core.adapters.names()}
-    if isinstance(core.adapters, AdapterStore):  # a simulated core (app/engine/simulated.py) has none
+    if isinstance(core.adapters, AdapterStore):  # a simulated core (tests/simulated_engine.py) has none
         stats["adapter_store"] = {**core.adapters.describe(), "tiers": core.adapters.tiers(core.model.lora_pool)}
     return stats
 
@@ -78,9 +78,10 @@ class LoraReplica:
         self.arrivals.append((time.time(), arrival_key(request.request_id, len(request.resume_token_ids))))
         try:
             yield Accepted(self.replica_id)
-            if self.draining:  # routed here before the router saw the drain: move on at once
-                yield Migrate(request.request_id, request.prompt_token_ids, request.resume_token_ids,
-                              request.params.seed or 0, "draining")
+            if self.draining:  # routed here before the router saw the drain: every choice moves on at once
+                for c in map(request.choice, range(request.n)):
+                    yield Migrate(c.request_id, c.prompt_token_ids, c.resume_token_ids, c.params.seed or 0, "draining",
+                                  c.index)
                 return
             await self._sync(epoch)
             if adapter is not None:
@@ -145,7 +146,7 @@ class LoraReplica:
 
     def check_health(self) -> None:
         """Serve replaces a replica whose check raises: one whose tensor-parallel shards fell
-        out of step in a failed step (app/engine/tp_workers.py) can serve nothing more."""
+        out of step in a failed step (app/engine/tp/model.py) can serve nothing more."""
         broken = getattr(self.engine.core.model, "broken", None)
         if broken is not None:
             raise RuntimeError(f"tensor-parallel shards out of step: {broken}")

@@ -9,7 +9,7 @@ Two phases, every stream checked token for token against its uninterrupted outpu
   clients disconnect mid-stream, 2 replica kills; every request must end exactly once
   (complete and identical, or cancelled by its own client), and afterwards every
   replica reports 0 running, 0 waiting and all KV blocks free.
-Replicas run the simulated engine core (app/engine/simulated.py: the real scheduler,
+Replicas run the simulated engine core (tests/simulated_engine.py: the real scheduler,
 KV accounting and preemption; a step sleeps a fixed time; tokens are a fixed function of
 prompt and position, so a resumed stream is checked exactly). The client is this
 process: a DeploymentHandle + app.client_stream's ResubmittingStream, as in the ingress.
@@ -38,7 +38,7 @@ def deploy(app: str, num_kv_blocks: int):
 
     from app.config import parse_args
     from app.engine.config import EngineConfig
-    from app.engine.simulated import StepTime, simulated_engine
+    from tests.simulated_engine import StepTime, simulated_engine
     from app.replica import LoraReplica, ReplicaSettings
 
     args = {"max_batch_size": MAX_BATCH, "num_kv_blocks": num_kv_blocks, "block_size": 4,
@@ -68,7 +68,7 @@ def replica_reports(app: str) -> list[dict]:
 
 
 async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float, disconnect: float, seed: int):
-    from app.engine.simulated import simulated_token
+    from tests.simulated_engine import simulated_token
     from app.protocol import GenerateRequest, SamplingParams
     from app.client_stream import MigrationPolicy, ResubmittingStream
 

@@ -1,5 +1,5 @@
 """The served path's own ceiling on this machine: tokens/s delivered to 64 streaming HTTP
-clients by one LoraReplica whose engine computes nothing (app/engine/simulated.py: the
+clients by one LoraReplica whose engine computes nothing (tests/simulated_engine.py: the
 real scheduler, a step that sleeps STEP_S, " <id>" per token), through the real Ingress,
 Serve's proxy and HTTP; before (BASE, run from a temporary `git worktree`) and after (this
 tree), in one invocation.
@@ -92,7 +92,7 @@ def run_variant(label: str, profile: pathlib.Path | None) -> dict:
     from ray import serve
 
     from app.builder import app_from_args
-    from app.engine.simulated import StepTime, simulated_engine
+    from tests.simulated_engine import StepTime, simulated_engine
 
     args = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"][0]["args"]
     args.update(model_name="base", max_batch_size=CLIENTS, num_kv_blocks=2048, block_size=16, adapter_dirs=[],

@@ -7,7 +7,7 @@ A Poisson stream of streaming `/v1/completions` requests runs over HTTP while th
 application is redeployed twice: a config change (its args differ) and a model upgrade
 (a new checkpoint path). Either is a heavy update for Serve: every Ingress, LoraReplica
 and registry replica is replaced. Replicas run the simulated engine core
-(app/engine/simulated.py: real scheduling and KV accounting; a token is a fixed function
+(tests/simulated_engine.py: real scheduling and KV accounting; a token is a fixed function
 of prompt and position, text " <id>"), so each stream is checked token for token; the
 Ingress uses a tiny checkpoint's tokenizer. Counted per request: complete and identical,
 an explicit error (error event, then `[DONE]`), lost (a bare close, no `[DONE]`, or
@@ -36,7 +36,7 @@ REPLICAS, MAX_BATCH, STEP_S, RATE = 3, 8, 0.02, 4.0
 
 def build(model: pathlib.Path, max_body_bytes: int):
     from app.builder import app_from_args
-    from app.engine.simulated import StepTime, simulated_engine
+    from tests.simulated_engine import StepTime, simulated_engine
 
     args = {"model": str(model), "max_batch_size": MAX_BATCH, "num_kv_blocks": 256, "block_size": 4,
             "max_model_len": 256, "max_body_bytes": max_body_bytes,
@@ -47,7 +47,7 @@ def build(model: pathlib.Path, max_body_bytes: int):
 
 
 async def one(client, i: int, out: dict):
-    from app.engine.simulated import simulated_token
+    from tests.simulated_engine import simulated_token
 
     rng = random.Random(i)
     prompt = [rng.randrange(100, 30000) for _ in range(rng.randint(4, 12))]

@@ -49,7 +49,7 @@ class ReplicaView:
 
     replica_id: str
     stats: ReplicaStats | None  # None until its first report
-    sent: int = 0  # requests routed to it after that report
+    sent: int = 0  # batch rows of the requests routed to it after that report
     sent_blocks: int = 0  # KV blocks those requests need
 
 
@@ -63,6 +63,11 @@ class Need:
     head: str | None = None  # prefix_head of its prompt (None: too short to name one)
     avoid: frozenset[str] = frozenset()  # failed replicas: never
     migrated_from: str | None = None  # its previous replica: only if no other has room
+    rows: int = 1  # batch rows: its choices (n), which share the prompt's full blocks
+
+    def blocks(self, block_size: int) -> int:
+        """The prompt's blocks, and a tail block of its own for every further choice."""
+        return math.ceil(self.tokens / block_size) + self.rows - 1
 
 
 @dataclass(frozen=True)
@@ -75,10 +80,9 @@ class Policy:
 def _room(v: ReplicaView, need: Need, p: Policy) -> bool:
     s = v.stats
     if s is None:
-        return v.sent < p.max_batch
-    blocks = math.ceil(need.tokens / s.block_size)
-    return (not s.draining and s.batch + v.sent < s.max_batch
-            and s.free_kv_blocks - v.sent_blocks >= blocks + p.reserve_blocks)
+        return v.sent + need.rows <= p.max_batch
+    return (not s.draining and s.batch + v.sent + need.rows <= s.max_batch
+            and s.free_kv_blocks - v.sent_blocks >= need.blocks(s.block_size) + p.reserve_blocks)
 
 
 def _key(v: ReplicaView, need: Need):
@@ -97,8 +101,8 @@ def rank(views: list[ReplicaView], need: Need, policy: Policy) -> list[str]:
     return [v.replica_id for v in sorted(elsewhere or roomy, key=lambda v: _key(v, need))]
 
 
-def unreported(sent: list[tuple[float, str, int]], stats: ReplicaStats | None) -> list[tuple[float, str, int]]:
-    """Of the (sent at, key, blocks) routed to a replica, those its report does not count:
+def unreported(sent: list[tuple[float, str, int, int]], stats: ReplicaStats | None) -> list[tuple[float, str, int, int]]:
+    """Of the (sent at, key, blocks, rows) routed to a replica, those its report does not count:
     not listed as arrived, and recent enough that they may still be on their way."""
     if stats is None:
         return sent
@@ -114,7 +118,7 @@ def need_of(pending: PendingRequest | None, policy: Policy) -> Need:
     return Need(len(request.prompt_token_ids) + len(request.resume_token_ids) + 1,
                 arrival_key(request.request_id, len(request.resume_token_ids)), request.adapter,
                 prefix_head(request.adapter, request.prompt_token_ids), frozenset(request.avoid_replicas),
-                request.migrated_from)
+                request.migrated_from, getattr(request, "n", 1))
 
 
 class ConsolidatingRouter(RequestRouter):
@@ -124,11 +128,11 @@ class ConsolidatingRouter(RequestRouter):
         self.policy = Policy(reserve_blocks, max_batch, block_size)
         # a request waiting for room is retried every 10–100 ms (Serve's default backs off to 0.5 s)
         self.update_backoff_params(initial_backoff_s=0.01, backoff_multiplier=2, max_backoff_s=0.1)
-        self._sent: dict[str, list[tuple[float, str, int]]] = defaultdict(list)  # replica → [(sent at, key, blocks)]
+        self._sent: dict[str, list[tuple[float, str, int, int]]] = defaultdict(list)  # replica → [(sent at, key, blocks, rows)]
         # Serve sends to the chosen replica and waits for it to accept (a round trip) before it
         # reports the request routed, and routes several requests at once: a request counts on
         # the replica chosen for it from the moment it is chosen, or a burst lands on one replica
-        self._chosen: dict[int, tuple[str, tuple[float, str, int]]] = {}  # id(pending) → (replica, sent entry)
+        self._chosen: dict[int, tuple[str, tuple[float, str, int, int]]] = {}  # id(pending) → (replica, sent entry)
         self._routed = Counter("loraplex_router_requests_routed", "requests routed, by replica", tag_keys=("target_replica",))
         self._queue = Gauge("loraplex_router_queue_length", "requests waiting for a replica with room")
         self._wait = Histogram("loraplex_router_wait_for_room_s", "time a request waited for a replica with room",
@@ -177,10 +181,10 @@ class ConsolidatingRouter(RequestRouter):
             for listener in _leaving_listeners:
                 listener(gone)
 
-    def _entry(self, need: Need) -> tuple[float, str, int]:
-        return time.time(), need.key, math.ceil(need.tokens / self.policy.block_size)
+    def _entry(self, need: Need) -> tuple[float, str, int, int]:
+        return time.time(), need.key, need.blocks(self.policy.block_size), need.rows
 
-    def _uncount(self, chosen: tuple[str, tuple[float, str, int]] | None) -> None:
+    def _uncount(self, chosen: tuple[str, tuple[float, str, int, int]] | None) -> None:
         if chosen is not None and chosen[1] in self._sent.get(chosen[0], ()):
             self._sent[chosen[0]].remove(chosen[1])
 
@@ -188,4 +192,4 @@ class ConsolidatingRouter(RequestRouter):
         rid = replica.replica_id.unique_id
         stats = ReplicaStats.from_dict(replica.routing_stats)
         sent = self._sent[rid] = unreported(self._sent.get(rid, []), stats)
-        return ReplicaView(rid, stats, len(sent), sum(b for _, _, b in sent))
+        return ReplicaView(rid, stats, sum(rows for *_, rows in sent), sum(e[2] for e in sent))

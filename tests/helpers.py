@@ -2,6 +2,7 @@
 and the HF transformers + PEFT reference generation."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -43,9 +44,9 @@ def make_random_adapter(model_dir: Path, out: Path, rank: int, targets, alpha=No
     return out
 
 
-def hf_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int,
-              ignore_eos: bool = False) -> list[int]:
-    """Greedy tokens from HF transformers (+ PEFT), built fresh for this adapter."""
+@functools.lru_cache(maxsize=4)
+def _hf_model(model_dir: Path, adapter_dir: Path | None):
+    """Loaded once per test session (PEFT wraps the base model in place: each adapter its own copy)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -53,12 +54,21 @@ def hf_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter_dir)
-    model.eval()
-    if ignore_eos:
-        model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return model.eval()
+
+
+def hf_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int,
+              ignore_eos: bool = False) -> list[int]:
+    """Greedy tokens from HF transformers (+ PEFT), one model per (checkpoint, adapter)."""
+    model = _hf_model(Path(model_dir), adapter_dir and Path(adapter_dir))
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None if ignore_eos else eos
+    try:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    finally:
+        model.generation_config.eos_token_id = eos
     return out[0, len(prompt):].tolist()
 
 

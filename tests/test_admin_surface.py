@@ -74,6 +74,14 @@ def test_paths_outside_the_roots_get_one_answer(roots):
     assert replica.loaded == [("tenant", str((root / "pirate").resolve()))]
 
 
+def test_a_local_adapter_source_is_a_default_root(roots, tmp_path):
+    root, _, _ = roots
+    source = tmp_path / "on-demand"
+    source.mkdir()
+    settings = parse_args({"adapter_dirs": [str(root)], "adapter_source": str(source)}, "base")
+    assert settings.adapter_roots == (str(root.resolve()), str(source.resolve()), "s3://")
+
+
 def test_s3_roots_narrow_s3_registrations(roots):
     root, _, _ = roots
     settings = parse_args({"adapter_dirs": [str(root)], "adapter_roots": ["s3://team-bucket/tenants"]}, "base")
@@ -133,3 +141,56 @@ def test_an_adapter_whose_directory_is_gone_is_listed_unavailable(tmp_path):
     assert spec_json(AdapterSpec("here", str(here), 0, "v"))["available"] is True
     assert spec_json(AdapterSpec("gone", str(tmp_path / "gone"), 0, "v"))["available"] is False
     assert spec_json(AdapterSpec("remote", "s3://b/a/", 0, "v"))["available"] is None  # not probed
+
+
+class _Names:
+    """A registry that keeps what it is told."""
+
+    def __init__(self):
+        self.specs, self.serial = {}, 0
+        self.list = _Remote(lambda: (list(self.specs.values()), self.serial))
+        self.put = _Remote(self._put)
+        self.remove = _Remote(lambda name: self.specs.pop(name, None) is not None)
+
+    def _put(self, name, path, version):
+        self.serial += 1
+        self.specs[name] = AdapterSpec(name, path, self.serial, version)
+        return self.specs[name]
+
+
+def test_vllm_load_and_unload_routes_are_register_and_unregister(roots):
+    """vLLM's bodies and plain-text answers; the same path checks and errors as the admin API; a
+    loaded name is replaced only with load_inplace (vLLM's rule)."""
+    from pydantic import ValidationError
+
+    from app.admin import LoadLoraAdapter, UnloadLoraAdapter
+
+    root, outside, settings = roots
+    replica, registry = _Replica(), _Names()
+    admin = AdapterAdmin("base", replica, registry, settings.adapter_roots)
+
+    def load(**body):
+        try:
+            return asyncio.run(admin.load_lora_adapter(LoadLoraAdapter(**body)))
+        except Exception as exc:
+            return answer(exc)
+
+    assert load(lora_name="tenant", lora_path=f"{root}/pirate") == "Success: LoRA adapter 'tenant' added successfully."
+    assert registry.specs["tenant"].path == str((root / "pirate").resolve())
+    again = load(lora_name="tenant", lora_path=f"{root}/pirate")
+    assert again.status_code == 400 and "already loaded" in json.loads(again.body)["error"]["message"]
+    assert load(lora_name="tenant", lora_path=f"{root}/pirate", load_inplace=True).startswith("Success")
+    assert registry.specs["tenant"].serial == 2 and len(replica.loaded) == 2
+    for path in (str(outside), f"{root}/escape", "relative/pirate"):
+        refused = load(lora_name="other", lora_path=path)
+        assert (refused.status_code, json.loads(refused.body)["error"]["message"]) == (400, OUTSIDE_ROOTS)
+    base = load(lora_name="base", lora_path=f"{root}/pirate")
+    assert base.status_code == 400 and "base model" in json.loads(base.body)["error"]["message"]
+    with pytest.raises(ValidationError):  # an unknown field is named, not ignored
+        LoadLoraAdapter(lora_name="x", lora_path="/p", is_3d_lora_weight=True)
+
+    unload = asyncio.run(admin.unload_lora_adapter(UnloadLoraAdapter(lora_name="tenant", lora_int_id=1)))
+    assert unload == "Success: LoRA adapter 'tenant' removed successfully." and "tenant" not in registry.specs
+    with pytest.raises(AdapterNotFoundError):
+        asyncio.run(admin.unload_lora_adapter(UnloadLoraAdapter(lora_name="tenant")))
+    assert answer(AdapterNotFoundError("adapter 'tenant' is not registered")).status_code == 404

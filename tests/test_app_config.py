@@ -79,10 +79,10 @@ def test_sampling_defaults_and_limits():
 
 
 @pytest.mark.parametrize("body", [
-    {"model": "m", "prompt": "p", "n": 3},
+    {"model": "m", "prompt": "p", "n": 17},  # above MAX_CHOICES
     {"model": "m", "prompt": "p", "max_tokens": 1.0},
     {"model": "m", "prompt": "p", "stream": 1},
-    {"model": "m", "prompt": "p", "frequency_penalty": 1},
+    {"model": "m", "prompt": "p", "frequency_penalty": 2.5},
     {"model": "", "prompt": "p"},
 ])
 def test_unsupported_or_mistyped_fields_are_rejected(body):

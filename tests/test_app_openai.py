@@ -1,10 +1,11 @@
 """The serving app over real HTTP with the official `openai` client: Ray Serve started
 once for this module from serve_config.yaml's args (plus API keys), the default model
 and every example adapter."""
+import random
 import threading
 
 import pytest
-from openai import NotFoundError
+from openai import BadRequestError, NotFoundError
 
 from app.builder import build_app
 from app.config import parse_args
@@ -200,3 +201,63 @@ def test_admin_registers_lists_and_unregisters_adapters(server, client, tmp_path
         client.completions.create(model="copy", prompt=PROMPT, max_tokens=2)
     client.completions.create(model=ADAPTERS[0], prompt=PROMPT, max_tokens=2)  # the replica syncs the removal
     assert "copy" not in replica_stats()["adapters"]
+
+
+def test_n_choices_with_a_seed_equal_their_seeds_alone(client):
+    """n=4 through the official client: four choices, each the request alone with seed + index; the
+    prompt's full KV blocks computed once (the engine's token count); streamed chat choices interleave
+    by index and reassemble to the whole answer; best_of returns the best of the same choices."""
+    rng = random.Random()
+    prompt = " ".join(rng.choice(["river", "stone", "quiet", "lamp", "north", "bread", "glass", "wind"])
+                      for _ in range(60))  # fresh: no cached prefix
+    seed, common = rng.getrandbits(62), dict(model=ADAPTERS[0], max_tokens=8, temperature=0.8)
+    before = replica_stats()["tokens_computed"]
+    many = client.completions.create(prompt=prompt, n=4, seed=seed, logprobs=0, **common)
+    computed = replica_stats()["tokens_computed"] - before
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(prompt=prompt, seed=seed + i, **common) for i in range(4)]
+    assert [c.text for c in many.choices] == [a.choices[0].text for a in alone]
+    prompt_tokens, completions = many.usage.prompt_tokens, [len(c.logprobs.tokens) for c in many.choices]
+    assert many.usage.completion_tokens == sum(completions) == sum(a.usage.completion_tokens for a in alone)
+    tail = prompt_tokens - (prompt_tokens - 1) // 16 * 16  # what each forked choice computes of the prompt
+    assert computed == prompt_tokens + 3 * tail + sum(c - 1 for c in completions)
+
+    best = client.completions.create(prompt=prompt, n=2, best_of=4, seed=seed, **common)
+    ranked = sorted(many.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]] and best.choices[0].logprobs is None
+    with pytest.raises(BadRequestError, match="cannot be streamed"):
+        client.completions.create(prompt=prompt, n=1, best_of=2, stream=True, **common)
+
+    chat = client.chat.completions.create(messages=QUESTION, n=3, seed=seed, **common)
+    chunks = list(client.chat.completions.create(messages=QUESTION, n=3, seed=seed, stream=True,
+                                                 stream_options={"include_usage": True}, **common))
+    texts, ends = ["", "", ""], []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            ends += [choice.index] if choice.finish_reason else []
+    assert texts == [c.message.content for c in chat.choices] and sorted(ends) == [0, 1, 2]
+    assert chunks[-1].usage.model_dump() == chat.usage.model_dump()
+
+
+def test_vllm_adapter_routes(server, client):
+    """vLLM's load/unload routes, as a vLLM gateway calls them: the admin key, plain-text answers,
+    the admin API's path checks and errors."""
+    import httpx
+
+    from tests.error_hygiene import checked_client
+
+    admin = checked_client(base_url=f"{server}/v1", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
+    body = {"lora_name": "vllm-copy", "lora_path": str(EXAMPLE_ADAPTERS / ADAPTERS[0])}
+    assert httpx.post(f"{server}/v1/load_lora_adapter", json=body,
+                      headers={"Authorization": f"Bearer {ALL_KEY}"}).status_code == 403
+    loaded = admin.post("/load_lora_adapter", json=body)
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'vllm-copy' added successfully."
+    assert client.completions.create(model="vllm-copy", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+    assert admin.post("/load_lora_adapter", json=body).status_code == 400  # loaded: only load_inplace replaces
+    assert admin.post("/load_lora_adapter", json={**body, "load_inplace": True}).status_code == 200
+    outside = admin.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc"})
+    assert outside.status_code == 400 and outside.json()["error"]["code"] == "invalid_adapter"
+    unloaded = admin.post("/unload_lora_adapter", json={"lora_name": "vllm-copy"})
+    assert unloaded.status_code == 200 and unloaded.text == "Success: LoRA adapter 'vllm-copy' removed successfully."
+    assert admin.post("/unload_lora_adapter", json={"lora_name": "vllm-copy"}).status_code == 404

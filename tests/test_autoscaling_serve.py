@@ -3,7 +3,7 @@ ramp up then down and to zero and back, a scale-down that stops a replica still
 streaming, no flapping under steady load, and the engine's series on Ray's Prometheus
 endpoint.
 
-Replicas run the simulated engine core (app/engine/simulated.py: the real scheduler, a
+Replicas run the simulated engine core (tests/simulated_engine.py: the real scheduler, a
 fixed 50 ms step instead of a model), so a stream's length is known and three replicas
 fit two cores. Requests go through a DeploymentHandle (the deployment's consolidating
 router) and app.client_stream's ResubmittingStream, as in the ingress. Each request logs
@@ -12,27 +12,17 @@ replica actor's stats.
 """
 from __future__ import annotations
 
-import asyncio
-import functools
 import re
-import threading
 import time
 import urllib.request
 import uuid
 
 import pytest
 
-from app.config import parse_args
-from app.engine.config import EngineConfig
-from app.engine.simulated import StepTime, simulated_engine, simulated_token
-from app.protocol import ErrorChunk, GenerateRequest, SamplingParams
-from app.replica import LoraReplica, ReplicaSettings
-from app.client_stream import MigrationPolicy, ResubmittingStream
-from tests.app_fixtures import config_args, free_port, wait_for
+from tests.app_fixtures import free_port, wait_for
+from tests.autoscaling_checks import complete, deploy, expected_text, in_threads, joined
 from tests.replica_watch import ReplicaWatch
 
-STEP = StepTime(0.05)
-FAST_METRICS = {"metrics_interval_s": 0.25, "look_back_period_s": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -52,75 +42,11 @@ def cluster():
         ray.shutdown()
 
 
-_loop = asyncio.new_event_loop()
-threading.Thread(target=_loop.run_forever, daemon=True).start()  # one client loop for every request
-
-
-def deploy(app: str, autoscaling: dict, max_batch: int) -> None:
-    from ray import serve
-
-    # max_ongoing_requests = the batch: Serve's own limit backs the router's count, so a
-    # replica never holds more than it batches (the app's default allows 4 batches)
-    args = config_args(max_batch_size=max_batch, adapter_dirs=[],
-                       replica={"autoscaling_config": {**FAST_METRICS, **autoscaling}, "max_ongoing_requests": max_batch,
-                                "ray_actor_options": {"num_cpus": 0.1}})
-    options = parse_args(args, "simulated").replica_options
-    settings = ReplicaSettings(None, EngineConfig(max_num_seqs=max_batch, num_kv_blocks=512), (), migrate_locally=False)
-    serve.run(LoraReplica.options(**options).bind(settings, None, functools.partial(simulated_engine, STEP)),
-              name=app, route_prefix=None)
-
-
 @pytest.fixture(scope="module")
 def steady_app(cluster):
     """One replica of batch 5 that may scale to 3: shared by the flapping and metrics tests."""
     deploy("steady", {"min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0}, 5)
     return "steady"
-
-
-def complete(app: str, prompt: list[int], max_tokens: int, adapter: str | None = None) -> dict:
-    """One request through the deployment's router and the ingress's migration path: its
-    text, tokens, moves and routing log [(time accepted, replica id)]."""
-    from ray import serve
-
-    async def run():
-        handle = serve.get_deployment_handle("LoraReplica", app).options(stream=True)
-        request = GenerateRequest(f"{app}-{uuid.uuid4().hex[:8]}", tuple(prompt),
-                                  SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=1), adapter)
-        stream = await ResubmittingStream.open(lambda r: handle.generate.remote(r, None, 0), request,
-                                               MigrationPolicy(max_migrations=4, failover_wait_s=30))
-        text, tokens, routed = "", 0, [(time.time(), stream.replica)]
-        async for chunk in stream.chunks():
-            assert not isinstance(chunk, ErrorChunk), chunk
-            if stream.replica != routed[-1][1]:
-                routed.append((time.time(), stream.replica))
-            text += chunk.text
-            tokens += len(chunk.token_ids)
-        return {"text": text, "completion_tokens": tokens, "moves": stream.moves, "routed": routed}
-
-    return asyncio.run_coroutine_threadsafe(run(), _loop).result(timeout=90)
-
-
-def expected_text(prompt: list[int], max_tokens: int) -> str:
-    return "".join(f" {simulated_token(tuple(prompt), i)}" for i in range(max_tokens))
-
-
-def in_threads(fn, args_list) -> tuple[list[threading.Thread], list]:
-    results = [None] * len(args_list)
-
-    def run(i, args):
-        results[i] = fn(*args)
-
-    threads = [threading.Thread(target=run, args=(i, a), daemon=True) for i, a in enumerate(args_list)]
-    for t in threads:
-        t.start()
-    return threads, results
-
-
-def joined(threads, results) -> list:
-    for t in threads:
-        t.join(timeout=120)
-    assert all(r is not None for r in results), "a request did not complete"
-    return results
 
 
 def test_ramp_up_then_down_to_zero_and_back(cluster):

@@ -36,6 +36,14 @@ def test_kv_room_includes_prompt_and_reserve():
     assert rank([ReplicaView("a", stats(3, free=4))], Need(40), POLICY) == ["a"]
 
 
+def test_a_request_of_n_choices_needs_n_rows_and_a_tail_block_per_further_choice():
+    # 3 choices of 40 tokens: 3 rows; 3 prompt blocks + 2 tails + 1 reserve = 6 blocks
+    views = [ReplicaView("a", stats(2, free=50)), ReplicaView("b", stats(1, free=5, started=1)),
+             ReplicaView("c", stats(1, free=6, started=2))]
+    assert rank(views, Need(40, rows=3), POLICY) == ["c"]
+    assert rank([ReplicaView("new", None, sent=2)], Need(10, rows=3), POLICY) == []  # 2 sent + 3 > 4
+
+
 def test_resident_adapter_breaks_ties_draining_and_avoided_get_nothing():
     views = [ReplicaView("a", stats(2, started=0)), ReplicaView("b", stats(2, started=0, adapters=["x"])),
              ReplicaView("c", stats(3, draining=True))]

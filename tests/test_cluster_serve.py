@@ -5,29 +5,25 @@ that stops replicas holding streams, and one replica waiting for its replacement
 Every output is compared with the same request run alone on one uninterrupted engine
 (in this process, same checkpoint). Engines compute in float64: a moved request is recomputed
 in another batch shape, and the tiny model's near-uniform 49k-token distributions put fp32's
-rounding within reach of a sampled draw's boundary (about 3 draws in 100 resumed streams)."""
+rounding within reach of a sampled draw's boundary (3 of 100 resumed streams differed)."""
 import asyncio
 import random
 import time
 
 import pytest
 import ray
-import torch
 
 from app.builder import app_from_args
-from app.engine.config import EngineConfig
-from app.engine.factory import build_engine
-from app.protocol import ErrorChunk, GenerateRequest, SamplingParams, TokenChunk
+from app.protocol import ErrorChunk, GenerateRequest, SamplingParams
 from app.registry import scan
-from app.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
+from app.client_stream import MigrationPolicy, with_fixed_seed
 from tests.app_fixtures import config_args, serving, wait_for
 from tests.cluster_fixtures import (deploy_replicas, make_tiny_chat_llama, replica_actor, replica_ids, replica_report,
                                     scale, slowed_engine)
 from tests.helpers import make_random_adapter
 from tests.error_hygiene import checked_openai
+from tests.cluster_checks import ADAPTERS, POLICY, Reference, assert_same, client_stream, idle, make_requests, submit_to, summary
 
-ADAPTERS = ("a1", "a2")
-POLICY = MigrationPolicy(max_migrations=32, failover_wait_s=60)
 PACK_LEN = 256  # the "pack" replicas' context length
 
 
@@ -54,90 +50,6 @@ def cluster(tmp_path_factory):
     with serving({"move": (app_from_args(_args(model, adapters, 4, 10, 4, 256)), "/move")}, num_cpus=8) as url:
         deploy_replicas("pack", _args(model, adapters, 16, 64, 4, PACK_LEN), tuple(specs.values()), slowed_engine)
         yield {"url": url, "model": model, "adapters": adapters, "specs": specs}
-
-
-class Reference:
-    """Each request alone on one engine with room to spare: the uninterrupted output."""
-
-    def __init__(self, model, adapters, block_size):
-        paths = {n: str(adapters / n) for n in ADAPTERS}
-        self.core = build_engine(model, EngineConfig(max_num_seqs=4, num_kv_blocks=512, block_size=block_size,
-                                                     max_model_len=256, max_loras=4, max_lora_rank=8, dtype=torch.float64), paths)
-
-    def __call__(self, request: GenerateRequest) -> list[TokenChunk]:
-        self.core.add(request)
-        out = []
-        while self.core.has_work():
-            out += [c for c in self.core.step() if isinstance(c, TokenChunk)]
-        return out
-
-
-def _summary(chunks):
-    tokens = [t for c in chunks for t in c.token_ids]
-    last = chunks[-1]
-    return tokens, "".join(c.text for c in chunks), last.finish_reason, last.completion_tokens, \
-        [lp for c in chunks for lp in (c.logprobs or ())]
-
-
-def _close(a: dict, b: dict) -> bool:
-    """One token's logprobs: same token and alternatives, values equal up to fp32 noise (a
-    resumed request computes them in a prefill, the uninterrupted one in a decode step)."""
-    return (a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-4
-            and [i for i, _ in a["top"]] == [i for i, _ in b["top"]]
-            and all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a["top"], b["top"])))
-
-
-def _assert_same(got, want, request_id):
-    g, w = _summary(got), _summary(want)
-    assert g[:4] == w[:4], request_id
-    assert len(g[4]) == len(w[4]) and all(map(_close, g[4], w[4])), request_id
-
-
-def _submit(app, specs):
-    from ray import serve
-
-    handle = serve.get_deployment_handle("LoraReplica", app).options(stream=True).generate
-    return lambda request: handle.remote(request, specs.get(request.adapter), 0)
-
-
-async def _stream(submit, request, on_chunk=None, policy=POLICY, leave_at=None):
-    """The chunks one client sees; it hangs up after ``leave_at`` tokens if given."""
-    stream = await ResubmittingStream.open(submit, request, policy)
-    chunks = []
-    relay = stream.chunks()
-    async for chunk in relay:
-        chunks.append(chunk)
-        if on_chunk:
-            await on_chunk(stream, chunk)
-        if leave_at is not None and len(stream.token_ids) >= leave_at:
-            break
-    await relay.aclose()
-    return stream, chunks
-
-
-def _requests(n, rng, prompt_len, max_tokens, prefix="r"):
-    out = []
-    for i in range(n):
-        greedy = i % 2 == 0
-        params = SamplingParams(
-            max_tokens=rng.randint(*max_tokens), temperature=0.0 if greedy else 0.9, top_p=1.0 if greedy else 0.9,
-            seed=None if greedy else rng.randrange(2**31), logprobs=2 if i % 3 == 0 else None,
-            stop=(" the", "ing") if i % 4 == 1 else ())
-        prompt = tuple(rng.randrange(100, 49000) for _ in range(rng.randint(*prompt_len)))
-        out.append(with_fixed_seed(GenerateRequest(f"{prefix}{i}", prompt, params, ADAPTERS[i % 3] if i % 3 < 2 else None)))
-    return out
-
-
-def _idle(app):
-    """Every replica answers (replacements have started): nothing running or waiting, every
-    KV block free."""
-    def check():
-        try:
-            reports = [replica_report(app, r) for r in replica_ids(app)]
-        except ray.exceptions.RayError:  # a replacement still starting, or one just stopped
-            return False
-        return all(s.batch == 0 and s.free_kv_blocks == s.total_kv_blocks for s in reports) and reports
-    return wait_for(check, timeout=90)
 
 
 # -- 1. consolidation ---------------------------------------------------------------
@@ -172,21 +84,21 @@ def test_requests_fill_the_oldest_replica_first_and_an_emptied_replica_stays_emp
     assert replica_report("pack", order[2]).batch == 0
     for gen in streams:
         gen.cancel()
-    assert _idle("pack")
+    assert idle("pack")
 
 
 # -- 2. migration equivalence, and its bound ------------------------------------------
 
 def test_forced_migrations_are_invisible_to_clients_and_bounded(cluster):
     rng = random.Random(7)
-    requests = _requests(110, rng, prompt_len=(3, 6), max_tokens=(26, 34))  # 29-40 tokens: one fits a replica's 40
+    requests = make_requests(110, rng, prompt_len=(3, 6), max_tokens=(26, 34))  # 29-40 tokens: one fits a replica's 40
     bounded = {r.request_id for r in requests[:12]}  # these may move once only
     one_move = MigrationPolicy(max_migrations=1, failover_wait_s=60)
-    submit = _submit("move", cluster["specs"])
+    submit = submit_to("move", cluster["specs"])
 
     async def go():
         return await asyncio.gather(*(
-            _stream(submit, r, policy=one_move if r.request_id in bounded else POLICY) for r in requests))
+            client_stream(submit, r, policy=one_move if r.request_id in bounded else POLICY) for r in requests))
 
     results = asyncio.run(go())
     reference = Reference(cluster["model"], cluster["adapters"], block_size=4)
@@ -199,8 +111,8 @@ def test_forced_migrations_are_invisible_to_clients_and_bounded(cluster):
             assert past_bound and isinstance(chunks[-1], ErrorChunk), request.request_id
             assert chunks[-1].status == 503 and "max_migrations" in chunks[-1].message
         else:
-            _assert_same(chunks, reference(request), request.request_id)
-    assert _idle("move")
+            assert_same(chunks, reference(request), request.request_id)
+    assert idle("move")
 
 
 def test_openai_clients_see_one_stream_through_migrations(cluster):
@@ -208,7 +120,7 @@ def test_openai_clients_see_one_stream_through_migrations(cluster):
     rng = random.Random(11)
     client = checked_openai(base_url=cluster["url"] + "/move/v1", api_key="none", max_retries=0, timeout=120)
     reference = Reference(cluster["model"], cluster["adapters"], block_size=4)
-    load = _requests(16, rng, prompt_len=(3, 6), max_tokens=(16, 30), prefix="bg")
+    load = make_requests(16, rng, prompt_len=(3, 6), max_tokens=(16, 30), prefix="bg")
     cases = [(list(rng.randrange(100, 49000) for _ in range(5)), 30, seed, stream, stop)
              for seed, stream, stop in [(3, True, None), (5, False, [" the"]), (9, True, ["ing"]), (13, False, None)]]
 
@@ -223,8 +135,8 @@ def test_openai_clients_see_one_stream_through_migrations(cluster):
             [p.choices[0].finish_reason for p in parts if p.choices][-1]
 
     async def go():
-        submit = _submit("move", cluster["specs"])
-        background = asyncio.gather(*(_stream(submit, r) for r in load))
+        submit = submit_to("move", cluster["specs"])
+        background = asyncio.gather(*(client_stream(submit, r) for r in load))
         loop = asyncio.get_running_loop()
         answers = await asyncio.gather(*(loop.run_in_executor(None, http_case, *c) for c in cases))
         return answers, await background
@@ -232,7 +144,7 @@ def test_openai_clients_see_one_stream_through_migrations(cluster):
     answers, background = asyncio.run(go())
     assert sum(len(s.moves) for s, _ in background) > 0
     for (prompt, max_tokens, seed, _, stop), got in zip(cases, answers):
-        want = _summary(reference(GenerateRequest("ref", tuple(prompt), SamplingParams(
+        want = summary(reference(GenerateRequest("ref", tuple(prompt), SamplingParams(
             max_tokens=max_tokens, temperature=0.8, seed=seed, stop=tuple(stop or ()), logprobs=1))))
         assert got == (want[1], want[3], want[2])
 
@@ -241,7 +153,7 @@ def test_openai_clients_see_one_stream_through_migrations(cluster):
 
 def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
     rng = random.Random(3)
-    requests = _requests(12, rng, prompt_len=(3, 6), max_tokens=(60, 100), prefix="k")
+    requests = make_requests(12, rng, prompt_len=(3, 6), max_tokens=(60, 100), prefix="k")
     edge = GenerateRequest("edge", (11, 12, 13, 14, 15, 16), SamplingParams(max_tokens=PACK_LEN - 6, temperature=0.0))
     requests.append(edge)  # prompt + max_tokens = the context length: killed at its last token
     leave = {f"k{i}": 25 + 5 * i for i in (2, 5, 7, 10)}  # these clients hang up mid-stream
@@ -261,8 +173,8 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
             ray.kill(replica_actor("pack", stream.replica), no_restart=True)
 
     async def go():
-        submit = _submit("pack", cluster["specs"])
-        return await asyncio.gather(*(_stream(submit, r, maybe_kill, leave_at=leave.get(r.request_id))
+        submit = submit_to("pack", cluster["specs"])
+        return await asyncio.gather(*(client_stream(submit, r, maybe_kill, leave_at=leave.get(r.request_id))
                                       for r in requests))
 
     results = asyncio.run(go())
@@ -274,22 +186,22 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
         if request.request_id in leave and len(got) >= leave[request.request_id]:  # its client hung up there
             assert got == [t for c in want for t in c.token_ids][:len(got)], request.request_id
         else:
-            _assert_same(chunks, want, request.request_id)
+            assert_same(chunks, want, request.request_id)
     # the edge's replica is killed at its last token, unless the item that brought token
     # PACK_LEN - 7 also ended the stream (coalesced under load: then it finished there)
     if any(k == "edge" for _, k, _ in kills):
         assert ("failover", PACK_LEN - 7) in results[-1][0].moves
     assert sum(r == "failover" for s, _ in results for r, _ in s.moves) >= len(kills)
     assert wait_for(lambda: len(replica_ids("pack")) == 3, timeout=90)
-    assert _idle("pack")
+    assert idle("pack")
 
 
 # -- 4. scale-down: streams move off the stopped replica --------------------------------
 
 def test_scale_down_moves_streams_off_the_stopped_replica(cluster):
     rng = random.Random(5)
-    requests = _requests(10, rng, prompt_len=(3, 6), max_tokens=(100, 120), prefix="d")
-    assert len(_idle("pack")) == 3  # all running: Serve stops a replica still starting first
+    requests = make_requests(10, rng, prompt_len=(3, 6), max_tokens=(100, 120), prefix="d")
+    assert len(idle("pack")) == 3  # all running: Serve stops a replica still starting first
     before = set(replica_ids("pack"))
     running = asyncio.Event()
 
@@ -298,7 +210,7 @@ def test_scale_down_moves_streams_off_the_stopped_replica(cluster):
             running.set()
 
     async def go():
-        tasks = asyncio.gather(*(_stream(_submit("pack", cluster["specs"]), r, note) for r in requests))
+        tasks = asyncio.gather(*(client_stream(submit_to("pack", cluster["specs"]), r, note) for r in requests))
         await running.wait()
         await asyncio.sleep(0.5)
         await asyncio.get_running_loop().run_in_executor(None, scale, "pack", 2)
@@ -310,9 +222,9 @@ def test_scale_down_moves_streams_off_the_stopped_replica(cluster):
     reference = Reference(cluster["model"], cluster["adapters"], block_size=16)
     for request, (stream, chunks) in zip(requests, results):
         assert not isinstance(chunks[-1], ErrorChunk), chunks[-1]
-        _assert_same(chunks, reference(request), request.request_id)
+        assert_same(chunks, reference(request), request.request_id)
     assert any(r == "replica_stopped" for s, _ in results for r, _ in s.moves)
-    assert _idle("pack")
+    assert idle("pack")
 
 
 def test_single_replica_failover_waits_for_the_replacement(cluster):
@@ -326,6 +238,6 @@ def test_single_replica_failover_waits_for_the_replacement(cluster):
             killed.append(stream.replica)
             ray.kill(replica_actor("pack", stream.replica), no_restart=True)
 
-    stream, chunks = asyncio.run(_stream(_submit("pack", cluster["specs"]), request, kill_once))
+    stream, chunks = asyncio.run(client_stream(submit_to("pack", cluster["specs"]), request, kill_once))
     assert killed and [r for r, _ in stream.moves] == ["failover"] and stream.replica != killed[0]
-    _assert_same(chunks, Reference(cluster["model"], cluster["adapters"], block_size=16)(request), "solo")
+    assert_same(chunks, Reference(cluster["model"], cluster["adapters"], block_size=16)(request), "solo")

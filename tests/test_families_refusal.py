@@ -31,7 +31,7 @@ def test_unsupported_config_is_refused_by_name(hf, named):
 
 
 def test_tensor_parallel_refuses_families_with_extra_weights():
-    from app.model.tensor_parallel import shard_config
+    from app.engine.tp.sharding import shard_config
 
     with pytest.raises(ValueError, match="qwen2"):
         shard_config(ModelConfig.from_hf(Qwen2Config(**SMALL)), 2)

@@ -14,7 +14,7 @@ from app.client_stream import MigrationPolicy, ResubmittingStream, _replicas_lea
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
-from app.engine.simulated import SimulatedCore, StepTime
+from tests.simulated_engine import SimulatedCore, StepTime
 from app.protocol import Accepted, GenerateRequest, SamplingParams, TokenChunk, coalesce, is_final
 from tests.cluster_fixtures import make_tiny_chat_llama
 

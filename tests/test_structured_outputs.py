@@ -1,8 +1,9 @@
 """Structured output through the engine (tiny random Llama with SmolLM2's real 49k tokenizer, CPU):
 50 random JSON schemas on the base model and an adapter, each output parsed and validated with
 jsonschema; json_object, regex and choice guides; a constrained request equals itself alone in a
-mixed batch and after a migration; a token its grammar rejects ends that request alone; bad guides
-fail at compile with the problem named, off the engine thread."""
+mixed batch, after a migration, and as each of n choices (with penalties and logit_bias beside the
+guide); a token its grammar rejects ends that request alone; bad guides fail at compile with the
+problem named, off the engine thread."""
 import asyncio
 import dataclasses
 import json
@@ -210,7 +211,8 @@ def test_the_async_engine_compiles_off_the_engine_thread_and_rejects_before_any_
 
 def test_no_step_is_launched_ahead_while_a_constrained_request_runs(model, adapters):
     engine = _engine(model, adapters)
-    engine.add(GenerateRequest("j", (9, 8, 7), SamplingParams(max_tokens=MAX_TOKENS, guide=Guide("json_object", ""))))
+    # a guide no one token completes (a json_object's first token may be "{}", which ends it at once)
+    engine.add(GenerateRequest("j", (9, 8, 7), SamplingParams(max_tokens=MAX_TOKENS, guide=Guide("regex", "[a-z]{40}"))))
     engine.add(GenerateRequest("p", (9, 8, 6), SamplingParams(max_tokens=MAX_TOKENS)))
     engine.step()  # both prefilled and sampled: the next step would be a plain decode step
     out = engine.runner.step([(s, 1) for s in engine.scheduler.running])
@@ -219,3 +221,32 @@ def test_no_step_is_launched_ahead_while_a_constrained_request_runs(model, adapt
     assert next_decode(out, engine.scheduler, 8, max_batch=8) is None
     engine.scheduler.running[0].grammar = None  # the same rows without a grammar do go ahead
     assert next_decode(out, engine.scheduler, 8, max_batch=8) is not None
+
+
+def test_n_choices_with_penalties_each_follow_their_own_grammar_as_alone(model, adapters):
+    """n = 2 with penalties and logit_bias beside the guide: each choice has a grammar state of its own
+    (the forks share prompt blocks, not matchers), is valid, and equals that choice requested alone."""
+    schema = random_schemas(4, seed=31)[3]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=13, guide=_schema_guide(schema),
+                            presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                            logit_bias=((90, 5.0), (1000, -3.0)))
+    request = GenerateRequest("n", tuple(range(400, 420)), params, "a", n=2)
+    config = dict(prefix_caching=False, dtype=torch.float64)  # a fork recomputes its last prompt block: no fp32 flips
+    together = _choices(_engine(model, adapters, **config), request)
+    for j in range(2):
+        text, reason = together[j]
+        assert reason == "stop", (j, text)
+        jsonschema.validate(json.loads(text), schema)
+        assert _choices(_engine(model, adapters, **config), request.choice(j)) == {j: together[j]}
+    assert together[0] != together[1]  # the choices are seeded apart
+
+
+def _choices(engine, request) -> dict[int, tuple[str, str]]:
+    """(text, finish reason) of each choice of `request`."""
+    engine.add(request)
+    text, reasons = {}, {}
+    while engine.has_work():
+        for chunk in engine.step():
+            text[chunk.index] = text.get(chunk.index, "") + chunk.text
+            reasons[chunk.index] = chunk.finish_reason
+    return {i: (text[i], reasons[i]) for i in text}

@@ -16,7 +16,7 @@ from adapters_store.peft_weights import load_local
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.model.config import ModelConfig
-from app.model.tensor_parallel import COLUMN, Shard, gather_lora_pair, load_shard_weights, shard_adapter, shard_config
+from app.engine.tp.sharding import COLUMN, Shard, gather_lora_pair, load_shard_weights, shard_adapter, shard_config
 from app.model.weights import load_weights
 from app.protocol import GenerateRequest, SamplingParams
 from tests.helpers import make_random_adapter, run_to_completion
@@ -75,7 +75,7 @@ def test_weight_shards_gather_to_the_checkpoint(tiny_model_dir, cfg):
 def test_step_messages_rebuild_the_inputs_exactly():
     """Every kind of step (padded groups, paged prefill + decode, with and without LoRA) comes
     out of encode → decode equal, dtypes and shapes included."""
-    from app.engine.tp_messages import decode, encode
+    from app.engine.tp.wire import decode, encode
     from app.model.inputs import LoraSegments, StepInputs
     from ops.attention import AttentionGroup
     from ops.paged_attention import DecodeRows, PagedBatch, PrefillRows
@@ -218,7 +218,7 @@ def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, singl
 
 
 def test_replica_options_and_degrees_that_do_not_divide(cfg):
-    from app.tp_serve import tensor_parallel_options
+    from app.engine.tp.placement import tensor_parallel_options
 
     gpu = tensor_parallel_options({"ray_actor_options": {"num_cpus": 4}, "num_replicas": 2}, 4, "cuda")
     assert gpu["placement_group_bundles"] == [{"CPU": 4, "GPU": 1}] + [{"CPU": 1, "GPU": 1}] * 3

@@ -4,6 +4,7 @@ is parsed, the JSON schema that `required` / named choices are constrained to (v
 pass, invalid ones fail, and both grammar engines compile it), template rendering of tools and
 tool messages, and the chat responses and stream chunks (validated as the `openai` client's
 types) carrying the same calls whether streamed or not."""
+import dataclasses
 import json
 import random
 import shutil
@@ -220,15 +221,15 @@ def _stream(chunks):
 def test_streamed_and_whole_answers_carry_the_same_calls(support, tools_tokenizer, choice, text, finish):
     rng = random.Random(text)
     plan = support.plan(TOOLS, choice, True, False)
-    whole, out = Formatter("id", "m", tools_tokenizer, True, False, plan.parser(tools_tokenizer)), Output()
+    whole, out = Formatter("id", "m", tools_tokenizer, True, False, tools=[plan.parser(tools_tokenizer)]), Output()
     for c in _chunks(tools_tokenizer, text, rng):
         out.add(c)
-    response = ChatCompletion.model_validate(whole.response(out)).model_dump()
+    response = ChatCompletion.model_validate(whole.response([out])).model_dump()
     message = response["choices"][0]["message"]
     assert response["choices"][0]["finish_reason"] == finish
     for _ in range(3):
-        streamed = Formatter("id", "m", tools_tokenizer, True, False, plan.parser(tools_tokenizer))
-        content, calls, stream_finish = _stream([streamed.first_chunk()] +
+        streamed = Formatter("id", "m", tools_tokenizer, True, False, tools=[plan.parser(tools_tokenizer)])
+        content, calls, stream_finish = _stream(streamed.first_chunks() +
                                                 [streamed.chunk(c) for c in _chunks(tools_tokenizer, text, rng)])
         assert (content, stream_finish) == (message["content"], finish)
         strip = [{**c, "id": None} for c in calls]
@@ -241,3 +242,51 @@ def test_streamed_and_whole_answers_carry_the_same_calls(support, tools_tokenize
     else:
         assert message["content"] == text and message["tool_calls"] is None
 
+
+
+@pytest.mark.parametrize("second, second_finish", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+     "tool_calls"),
+    ("It is sunny in Paris.", "stop"),
+])
+def test_each_of_n_choices_parses_its_own_calls(support, tools_tokenizer, second, second_finish):
+    """n = 2: each choice's text goes to its own parser, whole or streamed with the choices interleaved."""
+    rng = random.Random(second)
+    plan = support.plan(TOOLS, "auto", True, False)
+    texts = ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>', second]
+    per_choice = [[dataclasses.replace(c, index=i) for c in _chunks(tools_tokenizer, t, rng)]
+                  for i, t in enumerate(texts)]
+    whole, outs = Formatter("id", "m", tools_tokenizer, True, False, n=2, tools=_parsers(plan, tools_tokenizer)), \
+        [Output(), Output()]
+    for i, chunks in enumerate(per_choice):
+        for c in chunks:
+            outs[i].add(c)
+    choices = ChatCompletion.model_validate(whole.response(outs)).model_dump()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert [c["finish_reason"] for c in choices] == ["tool_calls", second_finish]
+    first_calls = choices[0]["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in first_calls] == \
+        [("add", {"a": 2, "b": 3})]
+    if second_finish == "tool_calls":
+        assert [c["function"]["name"] for c in choices[1]["message"]["tool_calls"]] == ["get_weather"]
+    else:
+        assert (choices[1]["message"]["content"], choices[1]["message"]["tool_calls"]) == (second, None)
+    streamed = Formatter("id", "m", tools_tokenizer, True, False, n=2, tools=_parsers(plan, tools_tokenizer))
+    events = streamed.first_chunks() + [streamed.chunk(c) for c in _interleaved(per_choice, rng)]
+    for i, choice in enumerate(choices):
+        content, calls, finish = _stream([e for e in events if e["choices"][0]["index"] == i])
+        assert (content, finish) == (choice["message"]["content"], choice["finish_reason"])
+        assert [{**c, "id": None} for c in calls] == [{**c, "id": None} for c in choice["message"]["tool_calls"] or []]
+
+
+def _parsers(plan, tok):
+    return [plan.parser(tok) for _ in range(2)]
+
+
+def _interleaved(streams, rng):
+    """The chunks of several choices in one random order that keeps each choice's own order."""
+    queues = [list(s) for s in streams]
+    out = []
+    while any(queues):
+        out.append(rng.choice([q for q in queues if q]).pop(0))
+    return out

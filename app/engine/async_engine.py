@@ -34,6 +34,7 @@ class _Stream:
         self.ready = asyncio.Event()
         self.arrival = time.monotonic()
         self.last_token: float | None = None  # when its previous token was delivered
+        self.unfinished = set(range(request.index, request.index + request.n))  # choices not ended (engine thread)
 
     async def items(self) -> list[Chunk]:
         """Everything delivered since the last call (at least one chunk), coalesced."""
@@ -70,12 +71,13 @@ class AsyncEngine:
 
     # -- caller side (any thread with an event loop) -----------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
-        """Chunks of one request until it finishes, errors or migrates. Validation errors
-        raise here before the first chunk; leaving the iterator early aborts the request."""
+        """Chunks of one request until each of its choices finishes, errors or migrates. Validation
+        errors raise here before the first chunk; leaving the iterator early aborts the request."""
         stream = _Stream(request, asyncio.get_running_loop())
         self._callers += 1
         self.idle_since = None
         finished = False
+        unfinished = set(stream.unfinished)  # this loop's own copy
         try:
             # S3 / disk / parse happen here, on the store's threads, never on the engine thread
             adapter = await self.core.adapters.aget(request.adapter) if request.adapter else None
@@ -89,6 +91,8 @@ class AsyncEngine:
                 for item in await stream.items():
                     yield item
                     if is_final(item):
+                        unfinished.discard(item.index)
+                    if not unfinished:
                         finished = True
                         return
         finally:
@@ -181,11 +185,12 @@ class AsyncEngine:
             return
         self._record(stream, chunk)
         if isinstance(chunk, Migrate) and self.migrate_locally and chunk.reason != "draining":
-            stream.request = stream.request.resumed(chunk)
-            self.core.add(stream.request, front=True)
+            self.core.add(stream.request.resumed(chunk), front=True)  # that choice alone, with its seed
             return
         if is_final(chunk):
-            del self._streams[chunk.request_id]
+            stream.unfinished.discard(chunk.index)
+            if not stream.unfinished:
+                del self._streams[chunk.request_id]
         if isinstance(chunk, Migrate):  # it leaves this engine unfinished
             self.telemetry.migrated(chunk.reason)
         self._outbox[stream.loop].append((stream, chunk))
@@ -224,7 +229,7 @@ class AsyncEngine:
 
     def _fail_all(self, exc: Exception) -> list[Chunk]:
         failed = []
-        for request_id in list(self._streams):
+        for request_id, stream in list(self._streams.items()):
             self.core.abort(request_id)
-            failed.append(ErrorChunk(request_id, f"engine failure: {exc}", 500))
+            failed += [ErrorChunk(request_id, f"engine failure: {exc}", 500, i) for i in sorted(stream.unfinished)]
         return failed

@@ -11,10 +11,10 @@ from app.engine.kv_cache import BlockAllocator, allocate_kv
 from app.engine.prefix_cache import PrefixCache, model_key
 from app.engine.runner import ModelRunner
 from app.engine.sampler import SampleError
-from app.engine.scheduler import Scheduler, blocks_for
+from app.engine.scheduler import Scheduler, blocks_for, shared_blocks
 from app.engine.sequence import Sequence
 from app.errors import ContextLengthError, InvalidRequestError
-from app.protocol import Chunk, ErrorChunk, GenerateRequest, Migrate, TokenChunk
+from app.protocol import Chunk, ErrorChunk, GenerateRequest, Migrate, TokenChunk, choice_seed
 from ops.lora import prepare as prepare_lora_kernels
 
 
@@ -36,7 +36,7 @@ class EngineCore:
         self.runner = ModelRunner(model, self.kv, config, self.max_model_len)
         self.grammars = Grammars(tokenizer, c.vocab_size, c.eos_token_ids)
         self._arrivals = itertools.count()
-        self._seqs: dict[str, Sequence] = {}
+        self._seqs: dict[tuple[str, int], Sequence] = {}  # (request id, choice index) → its sequence
         self.steps = 0
         self.idle = False
         self.max_batch_seen = 0  # most requests in one forward pass
@@ -48,7 +48,9 @@ class EngineCore:
         """Validate and queue; raises (before any compute) on unknown adapter or bad input.
         ``adapter``: the request's LoraWeights if the caller resolved them already (the
         async engine does, off this thread); else they are fetched here, blocking. ``grammar``:
-        likewise its compiled guide (Grammars.compile), else compiled here (cached)."""
+        likewise its compiled guide (Grammars.compile), else compiled here (cached).
+        A request of n choices becomes n sequences, choice j seeded choice_seed(seed, j), each with a
+        grammar state of its own; the others fork from the first's prompt blocks (app/engine/scheduler.py)."""
         if request.adapter and adapter is None:
             adapter = self.adapters.get(request.adapter)
         self._validate(request)
@@ -56,20 +58,36 @@ class EngineCore:
         if guide is not None and grammar is None:
             grammar = self.grammars.compile(guide)
         seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
-        seq = Sequence(request, seed, next(self._arrivals), adapter)
-        if guide is not None:
+        seqs = [self._sequence(request, choice_seed(seed, j), request.index + j, adapter, grammar)
+                for j in range(request.n)]
+        if shared_blocks(seqs[0], self.config.block_size):  # the others fork from the first's prompt blocks
+            seqs[0].forks = seqs[1:]
+            for seq in seqs[1:]:
+                seq.fork_of = seqs[0]
+        for seq in seqs:
+            self._seqs[seq.key] = seq
+        if front:
+            self.scheduler.waiting.extendleft(reversed(seqs))
+        else:
+            self.scheduler.waiting.extend(seqs)
+
+    def _sequence(self, request: GenerateRequest, seed: int, index: int, adapter, grammar) -> Sequence:
+        seq = Sequence(request, seed, next(self._arrivals), adapter, index=index)
+        if grammar is not None:
             seq.grammar = self.grammars.state(grammar, request.resume_token_ids)
         seq.detok = Detokenizer(self.tokenizer, request.params.stop, seq.output_ids, request.resume_text_chars)
-        self._seqs[request.request_id] = seq
-        (self.scheduler.waiting.appendleft if front else self.scheduler.waiting.append)(seq)
+        return seq
 
     def _validate(self, r: GenerateRequest) -> None:
-        if r.request_id in self._seqs:
+        if r.n < 1:
+            raise InvalidRequestError("n must be >= 1")
+        if any((r.request_id, r.index + j) in self._seqs for j in range(r.n)):
             raise InvalidRequestError(f"request id {r.request_id!r} is already running")
         if not r.prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         if any(not 0 <= t < self.model.cfg.vocab_size for t in (*r.prompt_token_ids, *r.resume_token_ids)):
             raise InvalidRequestError("prompt holds token ids outside the vocabulary")
+        r.params.check_vocabulary(self.model.cfg.vocab_size)
         if r.params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer")
         total = len(r.prompt_token_ids) + r.params.max_tokens
@@ -82,11 +100,11 @@ class EngineCore:
             raise ContextLengthError(f"{total} tokens exceed this replica's KV cache ({self.config.num_kv_blocks} blocks)")
 
     def abort(self, request_id: str) -> list[Chunk]:
-        seq = self._seqs.get(request_id)
-        if seq is None:
-            return []
-        self._drop(seq)
-        return [self._chunk(seq, (), "", None, "abort")]
+        """End every choice of the request still here."""
+        seqs = [seq for key, seq in self._seqs.items() if key[0] == request_id]
+        for seq in seqs:
+            self._drop(seq)
+        return [self._chunk(seq, (), "", None, "abort") for seq in seqs]
 
     def has_work(self) -> bool:
         return bool(self._seqs)
@@ -130,11 +148,12 @@ class EngineCore:
         return self._chunk(seq, (token,), text, (logprob,) if logprob else None, reason)
 
     def _chunk(self, seq, token_ids, text, logprobs, finish_reason) -> TokenChunk:
-        return TokenChunk(seq.request_id, token_ids, text, logprobs, finish_reason, len(seq.prompt_ids), len(seq.output_ids))
+        return TokenChunk(seq.request_id, token_ids, text, logprobs, finish_reason, len(seq.prompt_ids),
+                          len(seq.output_ids), seq.index)
 
     def _migrate(self, seq: Sequence, reason: str = "kv_cache_exhausted") -> Migrate:
-        del self._seqs[seq.request_id]
-        return Migrate(seq.request_id, seq.prompt_ids, tuple(seq.output_ids), seq.seed, reason)
+        del self._seqs[seq.key]
+        return Migrate(seq.request_id, seq.prompt_ids, tuple(seq.output_ids), seq.seed, reason, seq.index)
 
     def evict_all(self, reason: str) -> list[Migrate]:
         """End every request unfinished (the replica is draining): each Migrate carries what it
@@ -142,17 +161,17 @@ class EngineCore:
         out = []
         for seq in list(self._seqs.values()):
             self._drop(seq)
-            self._seqs[seq.request_id] = seq  # _migrate removes it again
+            self._seqs[seq.key] = seq  # _migrate removes it again
             out.append(self._migrate(seq, reason))
         return out
 
     def _fail(self, seq: Sequence, message: str) -> ErrorChunk:
         """End one request for a reason of its own (its sampling, its adapter); the rest carry on."""
         self._drop(seq)
-        return ErrorChunk(seq.request_id, message, 500)
+        return ErrorChunk(seq.request_id, message, 500, seq.index)
 
     def _drop(self, seq: Sequence) -> None:
-        del self._seqs[seq.request_id]
+        del self._seqs[seq.key]
         self.scheduler.remove(seq)
 
     # -- introspection ------------------------------------------------------------

@@ -11,7 +11,7 @@ from app.engine.core import EngineCore
 from app.model.config import ModelConfig
 from app.model.llama import LlamaModel
 from app.model.source import resolve_model
-from app.model.tensor_parallel import shard_config
+from app.engine.tp.sharding import shard_config
 from app.model.weights import load_weights
 
 
@@ -42,8 +42,8 @@ def build_engine(model_path: str | Path | None = None, config: EngineConfig = En
         slots_for_budget(shape, config.max_lora_rank, config.dtype, config.lora_memory_bytes)
     pool_config = PoolConfig(slots, config.max_lora_rank, config.dtype, config.device)
     on_load = lambda nbytes, s: store.metrics.load("gpu", nbytes, s)  # noqa: E731
-    if tp > 1:  # one shard worker per GPU, driven from here (app/engine/tp_workers.py)
-        from app.engine.tp_workers import build_tp_model
+    if tp > 1:  # one shard worker per GPU, driven from here (app/engine/tp/)
+        from app.engine.tp.model import build_tp_model
 
         model = build_tp_model(path, config, pool_config, on_load)
     else:

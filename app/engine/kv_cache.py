@@ -1,7 +1,9 @@
 """Paged KV cache: fixed-size blocks, blocks outermost, per-request block tables.
 
 A request owns a list of block ids; joining or leaving allocates or frees ids,
-never copies KV. A full block may also hold a cached prefix (app/engine/prefix_cache.py):
+never copies KV. The choices of one request (n > 1) share their prompt's full blocks by
+reference count (``share``; app/engine/scheduler.py forks them). A full block may also
+hold a cached prefix (app/engine/prefix_cache.py):
 it is then shared read-only by reference count, and once no request holds it, it stays
 cached until a block is needed and it is the least recently used such block. So cached
 blocks count as free: they are taken back before anything else gives way.
@@ -76,6 +78,13 @@ class BlockAllocator:
             self._unused.pop(b, None)
             blocks.append(b)
         return blocks
+
+    def share(self, blocks: list[int]) -> list[int]:
+        """``blocks`` (held already) referenced once more: another table reads the same KV."""
+        for b in blocks:
+            assert self._refs[b] > 0, f"block {b} is shared but held by nobody"
+            self._refs[b] += 1
+        return list(blocks)
 
     def cache(self, block: int, key: bytes) -> None:
         """Publish a block that now holds the full KV of ``key`` (kept private if that key is cached already)."""

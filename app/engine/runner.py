@@ -47,9 +47,9 @@ class ModelRunner:
         logits, sampled = self.run(scheduled)
         return StepOutput(sampled, self._draw(logits, sampled))
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> DrawnRows:
-        """Queue the sampling of each row of logits (see step_sampling for `ahead`)."""
-        sp = step_sampling(seqs, self.model.cfg.eos_token_ids, self.model.cfg.vocab_size, self.staging, ahead)
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0, pending=None) -> DrawnRows:
+        """Queue the sampling of each row of logits (see step_sampling for `ahead` and `pending`)."""
+        sp = step_sampling(seqs, self.model.cfg.eos_token_ids, self.model.cfg.vocab_size, self.staging, ahead, pending)
         drawn = draw(logits, sp)
         return self.readback.start(drawn, sp) if self.readback is not None else host_rows(drawn, sp)
 
@@ -61,7 +61,10 @@ class ModelRunner:
         order, src = nxt
         positions = [s.num_computed for s in order]
         logits = self.graphs.run(order, next_tokens=(out.drawn.tokens, src))
-        self.ahead = Ahead(order, positions, src, out, StepOutput(order, self._draw(logits, order, ahead=1)))
+        # penalised rows count the token they gained from the device, as the graph reads it: no need to
+        # keep them (and with them the whole batch) out of the step launched ahead
+        drawn = self._draw(logits, order, ahead=1, pending=(out.drawn.tokens, src))
+        self.ahead = Ahead(order, positions, src, out, StepOutput(order, drawn))
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [n, vocab] (fp32) and the n sequences whose next token they give, in row order."""

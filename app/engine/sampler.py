@@ -1,13 +1,15 @@
 """Token sampling for every row of a step at once: greedy, temperature, top-k, top-p, seeded,
-min_tokens (suppressed stop tokens), logprobs.
+min_tokens (suppressed stop tokens), logit_bias, penalties, grammar masks, logprobs.
 
 `draw` is a few batched torch ops over the step's logits [n, vocab], the same on CPU and CUDA, with
 no per-row Python and no host sync (CUDA-graph replays and steps launched ahead queue it behind them;
 the host reads only its results, app/engine/step_output.py). Per row, from its parameters
 (app/engine/sampling_params.py):
 
-1. suppressed tokens (stop tokens before min_tokens) and tokens a row's grammar does not allow
-   (its bitmask, app/engine/grammar.py) are set to −inf;
+1. logit_bias is added; suppressed tokens (stop tokens before min_tokens) are set to −inf; then the
+   repetition, frequency and presence penalties (app/engine/penalties.py): vLLM's order, on a copy;
+   last, tokens a row's grammar does not allow (its bitmask, app/engine/grammar.py) are set to −inf,
+   so that no bias or penalty can lift one back into reach;
 2. greedy rows take the argmax (the first on ties, as torch.argmax);
 3. sampled rows: s = (z − max z) / T ≤ 0, the best token at exactly 0; top-k keeps s ≥ its k-th
    largest value, top-p the largest values whose mass before them is < top_p (ranked by one sort per
@@ -22,6 +24,9 @@ as 5e-324 leaves only the best token(s) at 0 and the rest at −inf: greedy by a
 inf/inf = nan); top_p keeps at least the best token; top_k beyond the vocabulary is off. A row that
 holds a non-finite logit (an adapter that drives the model out of range) yields a token index that is
 still in range, and its finite flag fails its own request (``SampleError``), never the batch.
+
+Logprobs are those of the model's own distribution, log_softmax of the raw logits: before logit_bias,
+suppression, penalties, grammar masks and temperature, as vLLM returns them by default (logprobs_mode "raw_logprobs").
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine.penalties import penalize
 from app.engine.sampling_params import StepSampling
 from app.engine.sequence import Sequence
 
@@ -55,14 +61,7 @@ class Drawn:
 
 def draw(logits: torch.Tensor, sp: StepSampling) -> Drawn:
     """logits: [n, vocab] fp32, row i sampled by sp's row i (logits are not modified)."""
-    z = logits
-    if sp.banned is not None or sp.allowed is not None:
-        z = logits.clone(memory_format=torch.contiguous_format)
-    if sp.banned is not None:
-        z.index_put_(sp.banned, z.new_full((), float("-inf")))  # a device fill: no host copy, no sync
-    if sp.allowed is not None:
-        rows, bits = sp.allowed
-        z.index_copy_(0, rows, torch.where(_unpack(bits, z.shape[-1]), z.index_select(0, rows), z.new_full((), float("-inf"))))
+    z = adjusted(logits, sp)
     tokens = z.argmax(dim=-1)
     if sp.sampled:
         tokens = torch.where(sp.greedy, tokens, _random(z, sp))
@@ -73,6 +72,24 @@ def draw(logits: torch.Tensor, sp: StepSampling) -> Drawn:
         if sp.top_n:
             out.top_logprobs, out.top_ids = torch.topk(lp, sp.top_n, dim=-1)
     return out
+
+
+def adjusted(logits: torch.Tensor, sp: StepSampling) -> torch.Tensor:
+    """The logits the rows are drawn from: a copy with logit_bias, suppression and penalties applied
+    (vLLM's order), then the grammar masks, or `logits` itself where the step has none of them."""
+    if sp.bias is None and sp.banned is None and sp.penalties is None and sp.allowed is None:
+        return logits
+    z = logits.clone(memory_format=torch.contiguous_format)
+    if sp.bias is not None:  # the pairs of a row are distinct (a dict), so accumulate only adds
+        z.index_put_(sp.bias[:2], sp.bias[2], accumulate=True)
+    if sp.banned is not None:
+        z.index_put_(sp.banned, z.new_full((), float("-inf")))  # a device fill: no host copy, no sync
+    if sp.penalties is not None:
+        penalize(z, sp.penalties)
+    if sp.allowed is not None:
+        rows, bits = sp.allowed
+        z.index_copy_(0, rows, torch.where(_unpack(bits, z.shape[-1]), z.index_select(0, rows), z.new_full((), float("-inf"))))
+    return z
 
 
 def _unpack(bits: torch.Tensor, vocab: int) -> torch.Tensor:

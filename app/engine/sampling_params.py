@@ -2,10 +2,11 @@
 
 Every row of a step is sampled by the same batched ops (app/engine/sampler.py); what differs between
 requests is data in these tensors, never code run per row. Host flags say which ops the step needs
-at all (a random draw, a top-k or top-p filter, suppressed tokens, logprobs), so an all-greedy step
-costs an argmax as before. New per-token constraints (penalties, logit_bias, grammar masks) belong
-here as further per-row tensors, applied where the sampler applies the suppressed tokens; a
-constrained row's allowed tokens (its grammar's bitmask, app/engine/grammar.py) are one of them.
+at all (a random draw, a top-k or top-p filter, suppressed tokens, logit_bias, penalties, grammar
+masks, logprobs), so an all-greedy step costs an argmax as before. Per-token constraints (logit_bias,
+penalties: app/engine/penalties.py; a constrained row's allowed tokens: its grammar's bitmask,
+app/engine/grammar.py) are further per-row tensors here, applied where the sampler applies the
+suppressed tokens.
 
 The random draw of a row is a counter-based uniform keyed by (seed, absolute position of the token):
 output `position` of SplitMix64 started at the mixed seed, computed on the host in integer arithmetic.
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from app.engine.grammar import fill_masks
+from app.engine.penalties import Layout, Penalties
 from app.engine.sequence import Sequence
 
 _M64 = (1 << 64) - 1
@@ -63,6 +65,8 @@ class StepSampling:
     p: torch.Tensor | None = None  # [n] float64, 1: no top-p
     u: torch.Tensor | None = None  # [n] float64 in (0, 1)
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) that cannot be drawn now
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # logit_bias: (rows, token ids, biases)
+    penalties: Penalties | None = None  # the rows with presence / frequency / repetition penalties
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [m], bitmask [m, ⌈vocab/32⌉] int32): grammars
     logprob_index: torch.Tensor | None = None  # [m] int64, logprob_rows on the device
 
@@ -100,14 +104,17 @@ class Staging:
 
 
 def step_sampling(seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, staging: Staging,
-                  ahead: int = 0) -> StepSampling:
+                  ahead: int = 0, pending: tuple[torch.Tensor, list[int]] | None = None) -> StepSampling:
     """The parameters of the step that samples the next token of each of `seqs` (its rows, in order).
     ahead: tokens each sequence will have gained by then (1 for a step launched before the current
-    step's tokens reach the host)."""
+    step's tokens reach the host); pending: then those tokens, on the device (the previous step's drawn
+    tokens, and each row's row in them), which the penalties count."""
     n = len(seqs)
     s = StepSampling(n)
     greedy, inv_t, k, p, u = np.ones(n), np.ones(n), np.zeros(n), np.ones(n), np.full(n, 0.5)
     banned: list[tuple[int, int]] = []
+    bias: list[tuple[int, int, float]] = []
+    penalized = False
     guided = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
     if guided and ahead:
         raise ValueError("a constrained row's mask needs its previous token: it cannot be sampled ahead")
@@ -115,6 +122,8 @@ def step_sampling(seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, st
         par = seq.params
         if len(seq.output_ids) + ahead < par.min_tokens:  # EOS and stop token ids cannot end it yet
             banned += [(i, t) for t in (*par.stop_token_ids, *(() if par.ignore_eos else eos_ids)) if 0 <= t < vocab]
+        bias += [(i, t, b) for t, b in par.logit_bias]
+        penalized = penalized or par.penalized
         if par.logprobs is not None:
             s.logprob_rows.append(i)
             s.logprob_counts.append(min(par.logprobs, vocab))
@@ -127,30 +136,47 @@ def step_sampling(seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, st
             s.top_k = max(s.top_k, par.top_k)
         if par.top_p < 1.0:
             p[i], s.top_p = par.top_p, True
-    parts = []
+    parts: dict[str, np.ndarray] = {}
     if s.sampled:
-        parts += [greedy, inv_t, k, p, u]
+        parts["sampled"] = np.concatenate([greedy, inv_t, k, p, u])
     if banned:
-        parts.append(np.array(banned, dtype=np.float64).T.reshape(-1))
+        parts["banned"] = np.array(banned, dtype=np.float64).T.reshape(-1)
+    if bias:
+        parts["bias"] = np.array(bias, dtype=np.float64).T.reshape(-1)
+    layout = Layout(seqs, vocab, pending[1] if pending else None) if penalized else None
+    if layout is not None:
+        parts["penalties"] = np.concatenate(layout.parts)
     if guided:
-        parts.append(np.array(guided, dtype=np.float64))
-    parts.append(np.array(s.logprob_rows, dtype=np.float64))
-    if len(parts) == 1 and not s.logprob_rows:
-        return s  # every row greedy, nothing suppressed, no logprobs: the argmax as it is
-    dev = staging.upload(np.concatenate(parts))
-    at = 0
+        parts["guided"] = np.array(guided, dtype=np.float64)
+    if s.logprob_rows:
+        parts["logprobs"] = np.array(s.logprob_rows, dtype=np.float64)
+    if not parts:
+        return s  # every row greedy, nothing suppressed or adjusted, no logprobs: the argmax as it is
+    dev = _upload(staging, parts)
     if s.sampled:
-        s.greedy, s.inv_temperature, s.k = dev[:n] > 0.5, dev[n : 2 * n].float(), dev[2 * n : 3 * n].long()
-        s.p, s.u = dev[3 * n : 4 * n], dev[4 * n : 5 * n]
-        at = 5 * n
+        d = dev["sampled"]
+        s.greedy, s.inv_temperature, s.k = d[:n] > 0.5, d[n : 2 * n].float(), d[2 * n : 3 * n].long()
+        s.p, s.u = d[3 * n : 4 * n], d[4 * n : 5 * n]
     if banned:
-        pairs = dev[at : at + 2 * len(banned)].long()
+        pairs = dev["banned"].long()
         s.banned = (pairs[: len(banned)], pairs[len(banned) :])
-        at += 2 * len(banned)
+    if bias:
+        triples = dev["bias"]
+        s.bias = (triples[: len(bias)].long(), triples[len(bias) : 2 * len(bias)].long(), triples[2 * len(bias) :].float())
+    if layout is not None:
+        s.penalties = layout.device(dev["penalties"], pending[0] if pending else None)
     if guided:  # filled here, on the host, while the device runs the step's forward
         bits = fill_masks([seqs[i].grammar for i in guided], vocab)
-        s.allowed = (dev[at : at + len(guided)].long(), staging.upload(bits.reshape(-1)).view(bits.shape))
-        at += len(guided)
+        s.allowed = (dev["guided"].long(), staging.upload(bits.reshape(-1)).view(bits.shape))
     if s.logprob_rows:
-        s.logprob_index = dev[at:].long()
+        s.logprob_index = dev["logprobs"].long()
     return s
+
+
+def _upload(staging: Staging, parts: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Every part on the device in one copy, as slices of it by name."""
+    dev = staging.upload(np.concatenate(list(parts.values())))
+    out, at = {}, 0
+    for name, values in parts.items():
+        out[name], at = dev[at : at + values.size], at + values.size
+    return out

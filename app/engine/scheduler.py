@@ -3,7 +3,15 @@ free KV blocks and adapter slots; preempt the newest request when KV runs out (c
 prefix blocks count as free: they are evicted first). A request admitted with a cached
 prefix (app/engine/prefix_cache.py) starts with those blocks, its prefill after them.
 A request whose adapter finds every slot pinned waits without blocking others,
-until it has waited MAX_SLOT_WAIT_STEPS schedules (aging, see ``_starving``)."""
+until it has waited MAX_SLOT_WAIT_STEPS schedules (aging, see ``_starving``).
+
+The choices of one request (n > 1, docs/n_choices.md) fork from its first choice: they wait
+until it has computed the prompt's full blocks (all but the block holding the prompt's last
+token), then take references to them (``_fork``) and prefill only the rest, so the prompt's
+KV is computed once and held once. A forked choice keeps its shared blocks while it waits for
+a batch slot, and gives them back (becoming a plain request) if it waits for KV blocks or an
+adapter copy (so it holds blocks only while the batch is full); if the first choice leaves
+before its prompt is computed, the others become plain requests."""
 from __future__ import annotations
 
 from collections import deque
@@ -24,6 +32,12 @@ class Schedule:
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def shared_blocks(seq: Sequence, block_size: int) -> int:
+    """The prompt blocks a request's choices share: its full blocks before the one holding the
+    prompt's last token (that token is computed by each choice, for its own first logits)."""
+    return (len(seq.prompt_ids) - 1) // block_size
 
 
 MAX_SLOT_WAIT_STEPS = 64
@@ -65,8 +79,15 @@ class Scheduler:
         self.free(seq)
 
     def free(self, seq: Sequence) -> None:
-        """Return a request's KV blocks and adapter pin (finish, abort, preemption)."""
+        """Return a request's KV blocks and adapter pin (finish, abort, preemption); choices
+        waiting to fork from it become plain requests."""
         self._slot_wait.pop(seq, None)
+        if seq.fork_of is not None:  # it leaves before its fork (aborted)
+            seq.fork_of.forks.remove(seq)
+            seq.fork_of = None
+        for child in seq.forks:
+            child.fork_of = None
+        seq.forks = []
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = seq.num_published = 0
@@ -97,7 +118,12 @@ class Scheduler:
         skipped = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
-            seq.block_table = self.prefix.match(seq) if self.prefix else []
+            if seq.fork_of is not None:  # its prompt's blocks are still being computed by a sibling
+                skipped.append(seq)
+                continue
+            forked = bool(seq.block_table)  # a waiting request holds blocks only if forked
+            if not forked:
+                seq.block_table = self.prefix.match(seq) if self.prefix else []
             if blocks_for(seq.num_tokens + 1, self.config.block_size) - len(seq.block_table) > self.allocator.num_free:
                 self._unmatch(seq)
                 self.waiting.appendleft(seq)
@@ -114,7 +140,7 @@ class Scheduler:
                 if seq.lora_slot < 0 and self._starving(seq):
                     break
                 continue
-            self._start(seq)
+            self._start(seq, forked)
             self._slot_wait.pop(seq, None)
             n = min(seq.num_uncomputed, budget)
             seq.block_table += self.allocator.allocate(blocks_for(seq.num_computed + n, self.config.block_size)
@@ -125,23 +151,34 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _unmatch(self, seq: Sequence) -> None:
-        """Give back the cached blocks a request that stays waiting was matched with."""
+        """Give back the cached (or forked) blocks of a request that stays waiting."""
         self.allocator.free(seq.block_table)
         seq.block_table = []
 
-    def _start(self, seq: Sequence) -> None:
-        """An admitted request's computed tokens are those of the cached blocks it starts from."""
+    def _start(self, seq: Sequence, forked: bool) -> None:
+        """An admitted request's computed tokens are those of the cached (or forked) blocks it starts from."""
         hits = len(seq.block_table)
         seq.num_computed = hits * self.config.block_size
         seq.num_published = hits
-        if self.prefix:
+        if self.prefix and not forked:  # a fork is no cache hit: its first choice was counted
             self.prefix.admitted(seq, hits)
 
     def computed(self, seq: Sequence, n: int) -> None:
-        """``seq``'s next n tokens have their KV written: its blocks that filled join the prefix cache."""
+        """``seq``'s next n tokens have their KV written: its blocks that filled join the prefix cache,
+        and its sibling choices fork once its prompt's full blocks are written."""
         seq.num_computed += n
         if self.prefix:
             self.prefix.publish(seq)
+        if seq.forks and seq.num_computed >= shared_blocks(seq, self.config.block_size) * self.config.block_size:
+            self._fork(seq)
+
+    def _fork(self, seq: Sequence) -> None:
+        """Give each sibling waiting on ``seq`` a reference to its prompt's full blocks."""
+        shared = seq.block_table[:shared_blocks(seq, self.config.block_size)]
+        for child in seq.forks:
+            child.fork_of = None
+            child.block_table = self.allocator.share(shared)
+        seq.forks = []
 
     def _starving(self, seq: Sequence) -> bool:
         """Aging: once a request has found every slot pinned for MAX_SLOT_WAIT_STEPS schedules,

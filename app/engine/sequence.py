@@ -20,6 +20,9 @@ class Sequence:
     num_published: int = 0  # leading blocks of block_table offered to the prefix cache
     detok: object = None
     grammar: object = None  # GrammarState (app/engine/grammar.py) of a constrained request
+    index: int = 0  # its choice's index in its request (docs/n_choices.md)
+    forks: list["Sequence"] = field(default_factory=list)  # sibling choices waiting to share its prompt blocks
+    fork_of: "Sequence | None" = None  # the sibling whose prompt blocks it waits to share
 
     def __post_init__(self):
         self.output_ids = list(self.request.resume_token_ids)
@@ -27,6 +30,11 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Its name in the engine: request id and choice index."""
+        return self.request.request_id, self.index
 
     @property
     def params(self):

@@ -19,7 +19,7 @@ from ops.rope import rope_and_cache, rope_cos_sin
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora_pool=None, reduce=None):
         """reduce(y) → y: sums the o and down outputs over tensor-parallel shards (LoRA add-on
-        included, see app/model/tensor_parallel.py); None on a single GPU."""
+        included, see app/engine/tp/sharding.py); None on a single GPU."""
         self.cfg = cfg
         self.reduce = reduce or (lambda y: y)
         self.w = weights

@@ -65,6 +65,13 @@ class _NoModel:
     broken = None
 
 
+class _NoGrammars:
+    """Its tokens are fixed, so no guide (structured output) can be followed: refused by name."""
+
+    def compile(self, guide):
+        raise InvalidRequestError("the simulated engine does not follow guides (structured output)")
+
+
 class SimulatedCore:
     def __init__(self, config: EngineConfig, step_time: StepTime, max_model_len: int = 4096):
         self.config = config
@@ -72,6 +79,7 @@ class SimulatedCore:
         self.max_model_len = max_model_len
         self.adapters = _Names()
         self.model = _NoModel()
+        self.grammars = _NoGrammars()
         self.allocator = BlockAllocator(config.num_kv_blocks)
         self.scheduler = Scheduler(config, self.allocator, pool=None)
         self._seqs: dict[str, Sequence] = {}
@@ -81,9 +89,13 @@ class SimulatedCore:
         self.max_batch_seen = 0
         self.last_batch_size = 0
 
-    def add(self, request: GenerateRequest, front: bool = False, adapter=None) -> None:
+    def add(self, request: GenerateRequest, front: bool = False, adapter=None, grammar=None) -> None:
+        if request.params.guide is not None:
+            self.grammars.compile(request.params.guide)
         if request.request_id in self._seqs:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
+        if request.n != 1:  # its streams would wait for choices it never makes
+            raise InvalidRequestError("the simulated engine generates one choice per request (n=1)")
         if len(request.prompt_token_ids) + request.params.max_tokens > self.max_model_len:
             raise ContextLengthError("prompt + max_tokens exceed the context length")
         self._arrivals += 1
