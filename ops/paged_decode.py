@@ -21,7 +21,7 @@ MAX_SPLITS = 16
 BLOCKS_PER_SM = 2  # decode_splits aims at this many blocks per multiprocessor
 COUNTERS = 1 << 16  # (sequence, KV head) pairs whose splits can meet in one launch
 _CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-ARCHS = (80, 90)
+SMEM_LIMIT = {80: 163 << 10, 90: 227 << 10}  # dynamic shared memory a block may opt into
 
 
 class _DecodeArgs(ctypes.Structure):
@@ -50,6 +50,12 @@ def smem_bytes(head_dim: int, warps: int, n_stages: int) -> int:
     """Mirror of smem_bytes() in kernels/attention.cu (the kernel traps if given less)."""
     chunks = 2 * (head_dim // 32) + 4 * -(-head_dim // 64)  # 16-byte chunks a lane holds per tile
     return max(warps * n_stages * chunks * 32 * 16, (warps * 8 * (head_dim + 2) + 1) * 4)
+
+
+def variants(head_dim: int, arch: int) -> list[tuple[int, int]]:
+    """(warps, stages) pairs that fit `arch`'s shared memory (benchmarks/attention.py times them)."""
+    pairs = [(2, 2), (2, 4), (4, 2), (4, 3), (4, 4), (8, 2), (8, 3)]
+    return [(w, s) for w, s in pairs if smem_bytes(head_dim, w, s) <= SMEM_LIMIT[min(arch, 90)]]
 
 
 def kernel_name(dtype: torch.dtype, head_dim: int, arch: int, warps: int = WARPS, n_stages: int | None = None) -> str:
@@ -124,7 +130,10 @@ def _function(name: str, index: int, arch: int, smem: int):
 def _config(head_dim: int, index: int, arch: int | None, config: tuple[int, int] | None):
     arch = _arch(index) if arch is None else arch
     warps, n_stages = config or (WARPS, stages(head_dim, arch))
-    return arch, warps, n_stages, smem_bytes(head_dim, warps, n_stages)
+    smem = smem_bytes(head_dim, warps, n_stages)
+    if smem > SMEM_LIMIT[min(arch, 90)]:
+        raise ValueError(f"paged_decode: {warps} warps x {n_stages} stages need {smem} bytes of shared memory")
+    return arch, warps, n_stages, smem
 
 
 def warm_up(dtype: torch.dtype, head_dim: int, group: int, device) -> None:

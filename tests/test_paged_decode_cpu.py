@@ -104,13 +104,15 @@ def test_kernel_source_matches_fp32(lib, dtype, d, group, splits, bs, window, so
     assert err < (2e-3 if dtype == torch.float16 else 1e-2), err  # measured: 3e-4 and 2.3e-3
 
 
-@pytest.mark.parametrize("d, config", [(128, (2, 2)), (256, (4, 2))])  # a warp past 32 tiles; sm_80's 256
-def test_long_contexts_refill_the_table_ring(lib, d, config):
-    out, ref = _run(lib, torch.float16, d, 4, [2100, 5, 1100], 1, config, seed=3)
+@pytest.mark.parametrize("d, config, splits", [(128, (2, 2), 1), (256, (4, 2), 1), (128, (8, 2), 2)])
+def test_long_contexts_refill_the_table_ring(lib, d, config, splits):
+    """Warps past 32 tiles (each lane holds one tile's block-table entry); sm_80's head dim 256;
+    8 warps a block."""
+    out, ref = _run(lib, torch.float16, d, 4, [2100, 5], splits, config, seed=3)
     assert float((out.float() - ref).norm() / ref.norm()) < 2e-3
 
 
 def test_shared_memory_mirror(lib):
     lib.smem_size.restype = ctypes.c_uint
-    for d, w, s in ((64, 4, 4), (96, 4, 3), (128, 4, 3), (128, 2, 2), (256, 4, 3), (256, 4, 2)):
+    for d, w, s in ((64, 4, 4), (96, 4, 3), (128, 4, 3), (128, 2, 2), (128, 8, 2), (256, 4, 3), (256, 4, 2)):
         assert lib.smem_size(d, w, s) == pd.smem_bytes(d, w, s)

@@ -23,7 +23,7 @@ static void launch(const DecodeArgs& a, int seqs, unsigned seed) {
   }
 }
 
-// The configurations ops/paged_decode.py launches on sm_90 and sm_80, and one of 2 warps.
+// The configurations ops/paged_decode.py launches on sm_90 and sm_80, and two more of its variants.
 #define CASE(D, W, S)                                                  \
   if (d == D && w == W && s == S) {                                    \
     if (bf16) launch<__nv_bfloat16, D, W, S>(*a, seqs, seed);          \
@@ -37,6 +37,7 @@ extern "C" int run(const DecodeArgs* a, int seqs, int bf16, int d, int w, int s,
   CASE(96, 4, 3)
   CASE(128, 4, 3)
   CASE(128, 2, 2)
+  CASE(128, 8, 2)
   CASE(256, 4, 3)
   CASE(256, 4, 2)
   return 1;
@@ -45,6 +46,6 @@ extern "C" int run(const DecodeArgs* a, int seqs, int bf16, int d, int w, int s,
 extern "C" unsigned smem_size(int d, int w, int s) {
 #define SMEM(D, W, S) \
   if (d == D && w == W && s == S) return smem_bytes<D, W, S>();
-  SMEM(64, 4, 4) SMEM(96, 4, 3) SMEM(128, 4, 3) SMEM(128, 2, 2) SMEM(256, 4, 3) SMEM(256, 4, 2)
+  SMEM(64, 4, 4) SMEM(96, 4, 3) SMEM(128, 4, 3) SMEM(128, 2, 2) SMEM(128, 8, 2) SMEM(256, 4, 3) SMEM(256, 4, 2)
   return 0;
 }
