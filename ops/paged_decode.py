@@ -170,6 +170,9 @@ def paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale: fl
         raise ValueError("paged_decode: caches must be contiguous [blocks, block_size, kv_heads, D] in q's dtype")
     if q.stride(2) != 1 or q.stride(1) != d or out.stride(2) != 1 or out.stride(1) != d:
         raise ValueError("q and out: heads contiguous within a row")
+    if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16 or q.stride(0) % 8 or out.data_ptr() % 8 \
+            or out.stride(0) % 4:
+        raise ValueError("paged_decode: q and the caches 16-byte aligned (q's rows too), out 8-byte aligned")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or block_tables.stride(1) != 1:
         raise TypeError("block_tables and context_lens must be int32, table rows unit-stride")
     if not 1 <= splits <= MAX_SPLITS or splits > 1 and seqs * kv_heads > COUNTERS:
