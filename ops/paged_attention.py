@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .paged_decode import HEAD_DIMS, decode_splits, paged_decode, supported, warm_up  # noqa: F401 (the engine's names)
+from .paged_decode import decode_splits, paged_decode, supported, warm_up  # noqa: F401 (the engine's names)
 
 
 @dataclass(frozen=True)

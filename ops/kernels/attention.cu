@@ -9,7 +9,7 @@
 // output in registers. The math is on tensor cores (mma m16n8k16, fp32 accumulate), transposed
 // so that the tile's 16 tokens are the MMA rows and the (padded) 8 heads its columns:
 //   S^T[16 tokens x 8 heads] = K[16 x D] . Q^T   (K straight from its 16-byte chunks: a lane's
-//                                                 fragment takes D in an order Q's shares)
+//                                                 fragment takes D in an order Q's fragment shares)
 //   O^T[D x 8 heads]        += V^T[D x 16] . P^T  (V's chunks transposed by byte permutes)
 // so a lane's softmax statistics and output columns are the same two heads. At the end the
 // block's warps merge in shared memory; with several splits each block stores its partial and
