@@ -73,7 +73,7 @@ BAD_BODIES = {  # id: (path, raw body or JSON fields, status, code, param)
     "logprobs-high": (COMPLETIONS, _completion(logprobs=21), 400, "invalid_value", "logprobs"),
     "top-logprobs-high": (CHATS, _chat(logprobs=True, top_logprobs=21), 400, "invalid_value", None),
     "top-logprobs-alone": (CHATS, _chat(top_logprobs=2), 400, "invalid_value", None),
-    "n-too-many": (CHATS, _chat(n=17), 400, "invalid_value", "n"),
+    "n-17": (CHATS, _chat(n=17), 400, "invalid_value", "n"),  # above MAX_CHOICES
     "penalty": (COMPLETIONS, _completion(presence_penalty=2.5), 400, "invalid_value", "presence_penalty"),
     "logit-bias": (CHATS, _chat(logit_bias={"50": 101}), 400, "invalid_value", "logit_bias"),
     "logit-bias-outside-vocab": (CHATS, _chat(logit_bias={"10000000": 1}), 400, "invalid_request_error", None),

@@ -70,8 +70,10 @@ def test_ramp_up_then_down_to_zero_and_back(cluster):
         while len(watch.names()) > 1 and time.time() < low_start + 30:
             low.append(complete("ramp", [3, 1, len(low)], 10))
             assert low[-1]["text"] == expected_text([3, 1, len(low) - 1], 10)
+        # the load ended on the oldest alone; which replica took a request before the router's next
+        # stats poll depends on the machine's load, so the property checked is the release below
         assert watch.names() == {oldest}, watch.names()
-        assert {rid for r in low for _, rid in r["routed"]} == {oldest}
+        assert low[-1]["routed"][-1][1] == oldest
         routing_log = [(at, rid) for r in burst + low for at, rid in r["routed"]]
         released = watch.ever() - {oldest}
         assert len(released) == 2

@@ -1,4 +1,5 @@
-"""CI (no GPU): every SGMV kernel the wrappers can launch compiles with NVRTC for sm_80 and sm_90."""
+"""CI (no GPU): every SGMV, paged decode attention and small-op kernel the wrappers can launch compiles
+with NVRTC for sm_80 and sm_90, without spills."""
 import multiprocessing
 import os
 import re
@@ -121,22 +122,48 @@ def test_rank_groups_only_for_few_items_and_kernels_ci_compiles():
 
 
 def _engine_op_reports(arch):
-    from ops import paged_attention, small_ops
+    from ops import paged_decode, small_ops
 
-    jobs = [("attention.cu", n) for n in paged_attention.all_kernel_names()]
+    jobs = [("attention.cu", n) for n in paged_decode.all_kernel_names(arch)]
     jobs += [("small_ops.cu", n) for n in small_ops.all_kernel_names()]
     return [(src, name, nvrtc.resource_report(src, name, arch)) for src, name in jobs]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_attention_and_small_op_kernels_compile(arch):
-    """The paged decode attention kernels and the fused small ops, every instantiation the
-    wrappers launch, for sm_80 and sm_90."""
-    from ops import paged_attention, small_ops
+def test_attention_and_small_op_kernels_compile_without_spills(arch):
+    """The paged decode attention kernels (fp16/bf16 x head dims 64, 96, 128, 256; the group
+    size 1..8 is an argument) and the fused small ops, every instantiation the wrappers launch,
+    for sm_80 and sm_90: no spills, and the decode kernel's shared memory within the arch's
+    per-block limit."""
+    from ops import paged_decode, small_ops
 
     reports = _isolated(_engine_op_reports, arch)
-    assert len(reports) == len(paged_attention.all_kernel_names()) + len(small_ops.all_kernel_names()) == 32 + 12
-    assert any("paged_decode_kernel<__half, 128, 7>" == name for _, name, _ in reports)  # Qwen2.5's GQA 7
+    assert len(reports) == len(paged_decode.all_kernel_names(arch)) + len(small_ops.all_kernel_names()) == 8 + 12
+    assert {d for d in paged_decode.HEAD_DIMS} == {64, 96, 128, 256}  # Phi-3's 96 and Gemma's 256 among them
     assert any("gelu_tanh_mul_kernel" in name for _, name, _ in reports)  # Gemma's GeGLU
     for src, name, log in reports:
         assert re.search(r"Used \d+ registers", log), f"sm_{arch} {src} {name}:\n{log}"
+        spills = re.search(r"(\d+) bytes spill stores", log)
+        assert spills and spills.group(1) == "0", f"sm_{arch} {src} {name} spills:\n{log}"
+    limit = {80: 163 << 10, 90: 227 << 10}[arch]  # opt-in dynamic shared memory per block
+    for d in paged_decode.HEAD_DIMS:
+        assert paged_decode.smem_bytes(d, paged_decode.WARPS, paged_decode.stages(d, arch)) <= limit
+
+
+def test_every_group_size_and_head_dim_is_served_by_a_compiled_kernel():
+    """supported() accepts exactly what a compiled kernel serves: groups 1..8 (Qwen2.5's 7,
+    Llama 3.2 3B's 3), head dims 64/96/128/256, block sizes in whole 16-token tiles."""
+    from ops import paged_decode
+
+    for arch in ARCHS:
+        names = set(paged_decode.all_kernel_names(arch))
+        for dtype in (torch.float16, torch.bfloat16):
+            for d in (64, 80, 96, 128, 256):
+                for group in range(1, 10):
+                    ok = paged_decode.supported(dtype, d, 4 * group, 4)
+                    assert ok == (d != 80 and group <= 8), (d, group)
+                    if ok:
+                        assert paged_decode.kernel_name(dtype, d, arch) in names
+    assert not paged_decode.supported(torch.float16, 128, 8, 2, block_size=8)
+    assert paged_decode.supported(torch.float16, 128, 8, 2, block_size=32)
+    assert not paged_decode.supported(torch.float32, 128, 8, 2)

@@ -25,7 +25,8 @@ class ModelRunner:
         self.model, self.kv, self.config = model, kv, config
         c = model.cfg
         cuda = torch.device(config.device).type == "cuda" and config.tensor_parallel_size == 1
-        self.paged = cuda and paged_attention.supported(model.dtype, c.head_dim, c.num_heads, c.num_kv_heads)
+        self.paged = cuda and paged_attention.supported(model.dtype, c.head_dim, c.num_heads, c.num_kv_heads,
+                                                        config.block_size)
         if self.paged:  # a first-use compile would stall a step mid-serving
             small_ops.warm_up(model.dtype, config.device)
             paged_attention.warm_up(model.dtype, c.head_dim, c.num_heads // c.num_kv_heads, config.device)

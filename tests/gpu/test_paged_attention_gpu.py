@@ -1,11 +1,13 @@
 """The CUDA attention path and small ops against fp32 torch references: paged decode over random
-block tables (lengths 1..4096, GQA 1/4/8, head dims 64/128, fp16/bf16), varlen prefill with
-earlier context, RMSNorm(+residual), SwiGLU, RoPE + KV write."""
+block tables (lengths 1..4096, GQA groups 1..8, head dims 64/96/128/256, fp16/bf16, windows and
+soft-capping, the sm_80 build, block size 32, CUDA graph replays at new lengths), varlen prefill
+with earlier context, RMSNorm(+residual), SwiGLU, RoPE + KV write."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ops import paged_attention as pa
+from ops import paged_decode as pd
 from ops.paged_attention import PrefillRows
 from ops import small_ops
 from ops.norms import rms_norm
@@ -14,40 +16,43 @@ from ops.rope import apply_rope
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float16, torch.bfloat16]
 BS = 16
+LENS = [1, 2, 15, 16, 17, 255, 511, 512, 513, 1000, 2048, 4096, 0, 3000]
 
 
-def _cache(blocks, kv_heads, d, dtype, gen):
-    k = torch.randn(blocks, BS, kv_heads, d, device="cuda", generator=gen).to(dtype)
-    v = torch.randn(blocks, BS, kv_heads, d, device="cuda", generator=gen).to(dtype)
+def _cache(blocks, kv_heads, d, dtype, gen, bs=BS):
+    k = torch.randn(blocks, bs, kv_heads, d, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(blocks, bs, kv_heads, d, device="cuda", generator=gen).to(dtype)
     return k, v
 
 
-def _tables(lens, blocks, gen):
-    width = max(-(-n // BS) for n in lens)
+def _tables(lens, blocks, gen, bs=BS):
+    width = max(-(-n // bs) for n in lens)
     perm = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
-    need = sum(-(-n // BS) for n in lens)
+    need = sum(-(-n // bs) for n in lens)
     assert need <= blocks
     tables, at = torch.zeros(len(lens), width, dtype=torch.int32, device="cuda"), 0
     for i, n in enumerate(lens):
-        m = -(-n // BS)
+        m = -(-n // bs)
         tables[i, :m] = perm[at : at + m]
         at += m
     return tables
 
 
-def _ref_decode(q, k, v, tables, lens, scale):
-    """fp32: each sequence's context gathered, softmax attention of its one query per head."""
-    heads, kv_heads = q.shape[1], k.shape[2]
+def _ref_decode(q, k, v, tables, lens, scale, window=None, softcap=None):
+    """fp32: each sequence's (visible) context gathered, softmax attention of its one query per head."""
+    heads, bs, kv_heads = q.shape[1], k.shape[1], k.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for i, n in enumerate(lens):
         if n == 0:
             continue
-        idx = torch.arange(n, device=q.device)
-        rows = tables[i, idx // BS].long() * BS + idx % BS
+        idx = torch.arange(max(0, n - window) if window else 0, n, device=q.device)
+        rows = tables[i, idx // bs].long() * bs + idx % bs
         kk = k.view(-1, kv_heads, k.shape[-1])[rows].float().repeat_interleave(heads // kv_heads, 1)
         vv = v.view(-1, kv_heads, v.shape[-1])[rows].float().repeat_interleave(heads // kv_heads, 1)
-        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i].float(), kk) * scale, dim=-1)
-        out[i] = torch.einsum("hn,nhd->hd", w, vv)
+        s = torch.einsum("hd,nhd->hn", q[i].float(), kk) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), vv)
     return out
 
 
@@ -55,26 +60,88 @@ def _rel(a, b):
     return float((a.float() - b).norm() / b.norm().clamp(min=1e-6))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_paged_decode_matches_fp32(dtype, d, group):
-    gen = torch.Generator(device="cuda").manual_seed(100 * d + group)
-    kv_heads = 2 if group == 8 else 4
-    heads = kv_heads * group
-    lens = [1, 2, 15, 16, 17, 255, 511, 512, 513, 1000, 2048, 4096, 0, 3000]
-    blocks = sum(-(-n // BS) for n in lens) + 7
-    k, v = _cache(blocks, kv_heads, d, dtype, gen)
-    tables = _tables([max(n, 1) for n in lens], blocks, gen)
+def _tol(dtype):
+    return 5e-3 if dtype == torch.float16 else 2e-2
+
+
+def _decode_case(dtype, d, group, lens, seed, bs=BS, q_scale=1.0):
+    """Random q [seqs, heads, D] (a row stride of its own), caches, tables, lengths."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv_heads = 2 if group >= 4 else 4
+    blocks = sum(-(-n // bs) for n in lens) + 7
+    k, v = _cache(blocks, kv_heads, d, dtype, gen, bs)
+    tables = _tables([max(n, 1) for n in lens], blocks, gen, bs)
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(len(lens), heads, d, device="cuda", generator=gen).to(dtype)
-    ref = _ref_decode(q, k, v, tables, lens, d**-0.5)
-    for splits in (1, 3, pa.decode_splits(len(lens), kv_heads, "cuda")):
+    q = (q_scale * torch.randn(len(lens), kv_heads * group + 1, d, device="cuda", generator=gen)).to(dtype)
+    return q[:, : kv_heads * group], k, v, tables, ctx
+
+
+def _check(out, ref, lens, dtype, what):
+    assert not out.isnan().any(), what
+    assert _rel(out, ref) < _tol(dtype), (what, _rel(out, ref))
+    assert all(out[i].abs().max() == 0 for i, n in enumerate(lens) if n == 0), what  # padding rows: zeros
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", pd.HEAD_DIMS)
+@pytest.mark.parametrize("group", range(1, pd.MAX_GROUP + 1))
+def test_paged_decode_matches_fp32(dtype, d, group):
+    q, k, v, tables, ctx = _decode_case(dtype, d, group, LENS, 100 * d + group)
+    ref = _ref_decode(q, k, v, tables, LENS, d**-0.5)
+    for splits in sorted({1, 3, pd.decode_splits(len(LENS), k.shape[2], "cuda")}):
         out = torch.full_like(q, float("nan"))
         pa.paged_decode(out, q, k, v, tables, ctx, d**-0.5, splits)
-        assert not out.isnan().any(), splits
-        assert _rel(out, ref) < (5e-3 if dtype == torch.float16 else 2e-2), (splits, _rel(out, ref))
-        assert out[lens.index(0)].abs().max() == 0  # a padding row gives zeros
+        _check(out, ref, LENS, dtype, f"splits {splits}")
+    assert pd._counters(torch.cuda.current_device()).eq(0).all()  # each pair's last split reset its counter
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d, group", [(96, 1), (96, 4), (256, 2), (256, 8), (128, 3), (64, 8)])
+@pytest.mark.parametrize("window, softcap", [(100, None), (None, 2.0), (64, 1.5)])  # scores ~N(0, 3): caps bite
+def test_paged_decode_window_and_softcap(dtype, d, group, window, softcap):
+    lens = [1, 50, 99, 100, 101, 700, 2048, 0]
+    q, k, v, tables, ctx = _decode_case(dtype, d, group, lens, d * group, q_scale=3.0)
+    ref = _ref_decode(q, k, v, tables, lens, d**-0.5, window, softcap)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        pa.paged_decode(out, q, k, v, tables, ctx, d**-0.5, splits, window, softcap)
+        _check(out, ref, lens, dtype, f"splits {splits}")
+
+
+@pytest.mark.parametrize("d", pd.HEAD_DIMS)
+def test_paged_decode_sm80_build_and_other_shapes(d):
+    """sm_80's build (as PTX the driver compiles here; head dim 256 two stages deep), 32-token
+    pages, and the other (warps, stages) the benchmark times."""
+    dtype, group = torch.bfloat16, 4
+    configs = [dict(config=c) for c in pd.variants(d, 90) if c != (pd.WARPS, pd.stages(d, 90))]
+    for bs, kw in [(BS, dict(arch=80)), (32, {})] + [(BS, c) for c in configs]:
+        q, k, v, tables, ctx = _decode_case(dtype, d, group, LENS, d + bs, bs=bs)
+        ref = _ref_decode(q, k, v, tables, LENS, d**-0.5)
+        for splits in (1, 4):
+            out = torch.full_like(q, float("nan"))
+            pa.paged_decode(out, q, k, v, tables, ctx, d**-0.5, splits, **kw)
+            _check(out, ref, LENS, dtype, f"{bs} {kw} splits {splits}")
+
+
+def test_paged_decode_graph_replays_at_new_lengths():
+    """One capture (splits > 1: partials and counters), replayed over new lengths, tables and
+    queries written into its inputs: each replay equals the reference."""
+    dtype, d, group = torch.float16, 128, 4
+    q, k, v, tables, ctx = _decode_case(dtype, d, group, LENS, 5)
+    splits = 4
+    out = torch.empty_like(q)
+    pa.paged_decode(out, q, k, v, tables, ctx, d**-0.5, splits)  # compiled, counters allocated
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pa.paged_decode(out, q, k, v, tables, ctx, d**-0.5, splits)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for _ in range(3):
+        lens = torch.randint(0, 4097, (len(LENS),), generator=gen, device="cuda").tolist()
+        tables.random_(0, k.shape[0], generator=gen)  # blocks shared between sequences: reads only
+        ctx.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, device="cuda", generator=gen).to(dtype))
+        graph.replay()
+        _check(out, _ref_decode(q, k, v, tables, lens, d**-0.5), lens, dtype, lens)
 
 
 def _prefill_rows(reqs, heads, kv_heads, d, dtype, gen):
