@@ -4,7 +4,8 @@ adapter, streamed and not. `required` and named choices return tool_calls whose 
 validate against the tool's schema (the grammar engine holds the output to the calls schema);
 streamed deltas reassemble to the same calls; `none` (and `auto`, when the random model writes no
 call) answers exactly what the model generates from the prompt with the tools rendered; the
-calls go back into the conversation with the tools' results."""
+calls go back into the conversation with the tools' results; n sampled choices carry their own
+calls, each what that choice's seed answers alone."""
 import json
 
 import jsonschema
@@ -122,3 +123,36 @@ def test_a_conversation_carries_calls_and_results(client):
 def test_bad_tool_requests_are_400s(client, fields, says):
     with pytest.raises(BadRequestError, match=says):
         client.chat.completions.create(**{"model": MODEL, "messages": QUESTION, "tools": TOOLS, **fields})
+
+
+def test_n_sampled_choices_each_carry_their_own_calls(client):
+    """n = 2 under `required`, sampled: each choice's calls are parsed on their own and valid, the
+    interleaved stream reassembles per choice to the whole answer, and choice j is what the same
+    request alone with seed + j answers."""
+    request = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS,
+                   temperature=1.0, seed=1234)
+    whole = client.chat.completions.create(n=2, **request).choices
+    assert [c.index for c in whole] == [0, 1]
+    answers = [_calls_of(c) for c in whole]
+    for content, calls, finish in answers:
+        assert content is None and finish == "tool_calls"
+        _check_calls(calls, {"add", "get_weather"})
+    streamed = {0: ["", [], None], 1: ["", [], None]}
+    for chunk in client.chat.completions.create(n=2, stream=True, **request):
+        choice = chunk.choices[0]
+        content, calls, _ = streamed[choice.index]
+        streamed[choice.index][0] = content + (choice.delta.content or "")
+        for d in choice.delta.tool_calls or ():
+            if d.id is not None:
+                calls.append([d.function.name, ""])
+            calls[d.index][1] += d.function.arguments or ""
+        streamed[choice.index][2] = choice.finish_reason or streamed[choice.index][2]
+    assert [(c or None, [tuple(x) for x in calls], f) for c, calls, f in streamed.values()] == answers
+    for j in range(2):
+        alone = client.chat.completions.create(**{**request, "seed": 1234 + j}).choices[0]
+        assert _calls_of(alone) == answers[j]
+
+
+def _calls_of(choice):
+    return choice.message.content, [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()], \
+        choice.finish_reason
