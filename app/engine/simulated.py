@@ -61,6 +61,16 @@ class _Names:
         return sorted(self._paths)
 
 
+class _NoGrammars:
+    """Grammars' surface: its tokens are a fixed function, so no output can be constrained."""
+
+    def warm(self) -> None:
+        pass
+
+    def compile(self, guide):
+        raise InvalidRequestError("structured output is not simulated")
+
+
 class _NoModel:
     broken = None
 
@@ -71,6 +81,7 @@ class SimulatedCore:
         self.step_time = step_time
         self.max_model_len = max_model_len
         self.adapters = _Names()
+        self.grammars = _NoGrammars()
         self.model = _NoModel()
         self.allocator = BlockAllocator(config.num_kv_blocks)
         self.scheduler = Scheduler(config, self.allocator, pool=None)
@@ -81,7 +92,9 @@ class SimulatedCore:
         self.max_batch_seen = 0
         self.last_batch_size = 0
 
-    def add(self, request: GenerateRequest, front: bool = False, adapter=None) -> None:
+    def add(self, request: GenerateRequest, front: bool = False, adapter=None, grammar=None) -> None:
+        if request.params.guide is not None:
+            raise InvalidRequestError("structured output is not simulated")
         if request.request_id in self._seqs:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         if len(request.prompt_token_ids) + request.params.max_tokens > self.max_model_len:
