@@ -24,7 +24,8 @@ synthetic tokenizer, a byte-level BPE trained on this Python's standard-library 
 (padded with reserved tokens if the corpus runs out of merges; "</s>" is EOS), built in seconds and
 never fetched. Also reported: the grammar engine's vocabulary build, the 50 schemas' compile time
 (p50/p99, cold cache, off the engine thread as in serving), the host time to fill a step's masks,
-and how many steps were launched ahead (none while a constrained request runs: app/engine/run_ahead.py).
+and how many steps were launched ahead (a constrained row's draw waits until the step is taken:
+app/engine/run_ahead.py).
 """
 import argparse
 import datetime
@@ -164,7 +165,8 @@ def plot(data, png):
         ax.set(xticks=range(len(rows)), title=f"max batch {b}", ylabel="tokens / s")
         ax.set_xticklabels([r["variant"] for r in rows], fontsize=8)
     c = data["compile"]
-    save_figure(fig, f"{data['shape']} shape, structured output ({data['device']}); compile p50 {c['compile_ms_p50']:.1f} ms, "
+    model = f"tiny random model, {data['shape']} vocabulary" if data["smoke"] else f"{data['shape']} shape"
+    save_figure(fig, f"{model}, structured output ({data['device']}); compile p50 {c['compile_ms_p50']:.1f} ms, "
                      f"p99 {c['compile_ms_p99']:.1f} ms", png)
 
 
