@@ -116,7 +116,8 @@ class _Sampling(_Body):
     def _one_guide(self):
         for name in ("guided_grammar", "guided_whitespace_pattern", "structured_outputs"):
             if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported (use response_format, guided_json, guided_regex or guided_choice)")
+                raise ValueError(f"{name} is not supported (use response_format, guided_json, guided_regex or "
+                                 "guided_choice)")
         if self.guided_choice is not None and (not self.guided_choice or not all(self.guided_choice)):
             raise ValueError("guided_choice must be a non-empty list of non-empty strings")
         if self.guided_regex == "":

@@ -1,6 +1,7 @@
 """xgrammar against llguidance on this CPU: what the choice of grammar engine rests on
 (docs/structured_outputs.md).
 
+    pip install xgrammar==0.2.9                     # the candidate not chosen (it pulls in triton)
     python benchmarks/grammar_engines.py            # prints a table, writes benchmarks/results/grammar_engines.json
 
 For each real tokenizer on this machine (SmolLM2's 49,152 tokens, the default model; Gemma 3's

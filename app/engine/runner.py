@@ -63,7 +63,8 @@ class ModelRunner:
         positions = [s.num_computed for s in order]
         logits = self.graphs.run(order, next_tokens=(out.drawn.tokens, src))
         if any(s.grammar is not None for s in order):  # masks need step N's tokens: drawn when taken
-            self.ahead = Ahead(order, positions, src, out, None, lambda rows, seqs: self._draw(self._rows(logits, rows), seqs))
+            later = lambda rows, seqs: self._draw(self._rows(logits, rows), seqs)  # noqa: E731
+            self.ahead = Ahead(order, positions, src, out, None, later)
         else:
             self.ahead = Ahead(order, positions, src, out, StepOutput(order, self._draw(logits, order, ahead=1)))
 

@@ -62,7 +62,8 @@ def draw(logits: torch.Tensor, sp: StepSampling) -> Drawn:
         z.index_put_(sp.banned, z.new_full((), float("-inf")))  # a device fill: no host copy, no sync
     if sp.allowed is not None:
         rows, bits = sp.allowed
-        z.index_copy_(0, rows, torch.where(_unpack(bits, z.shape[-1]), z.index_select(0, rows), z.new_full((), float("-inf"))))
+        masked = torch.where(_unpack(bits, z.shape[-1]), z.index_select(0, rows), z.new_full((), float("-inf")))
+        z.index_copy_(0, rows, masked)
     tokens = z.argmax(dim=-1)
     if sp.sampled:
         tokens = torch.where(sp.greedy, tokens, _random(z, sp))
