@@ -84,7 +84,9 @@ class _Sampling(_Body):
     guided_json: dict[str, Any] | str | None = None  # extensions (vLLM's)
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
-    guided_grammar: str | None = None  # rejected by name
+    guided_grammar: Any = None  # these three are refused by name
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -113,8 +115,10 @@ class _Sampling(_Body):
 
     @model_validator(mode="after")
     def _one_guide(self):
-        if self.guided_grammar is not None:
-            raise ValueError("guided_grammar is not supported (use guided_json, guided_regex or guided_choice)")
+        for name in ("guided_grammar", "guided_whitespace_pattern", "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported (use response_format, guided_json, guided_regex or "
+                                 "guided_choice)")
         if self.guided_choice is not None and (not self.guided_choice or not all(self.guided_choice)):
             raise ValueError("guided_choice must be a non-empty list of non-empty strings")
         if self.guided_regex == "":

@@ -70,12 +70,12 @@ def model_config():
                        traits=FAMILIES[family])
 
 
-def random_weights(cfg, dtype=torch.float16):
+def random_weights(cfg, dtype=torch.float16, device="cuda"):
     from app.model.weights import LayerWeights, ModelWeights
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    rnd = lambda *s: (torch.randn(*s, device="cuda", generator=g) * 0.02).to(dtype)  # noqa: E731
-    ones = lambda: (1 + 0.1 * torch.randn(cfg.hidden_size, device="cuda", generator=g)).to(dtype)  # noqa: E731
+    g = torch.Generator(device=device).manual_seed(0)
+    rnd = lambda *s: (torch.randn(*s, device=device, generator=g) * 0.02).to(dtype)  # noqa: E731
+    ones = lambda: (1 + 0.1 * torch.randn(cfg.hidden_size, device=device, generator=g)).to(dtype)  # noqa: E731
     h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
     q = cfg.num_heads * cfg.head_dim
     layers = [LayerWeights(ones(), ones(), {"qkv": rnd(q + 2 * kv, h), "o": rnd(h, q), "gate_up": rnd(2 * i, h),

@@ -61,15 +61,18 @@ class _Names:
         return sorted(self._paths)
 
 
-class _NoModel:
-    broken = None
-
-
 class _NoGrammars:
-    """Its tokens are fixed, so no guide (structured output) can be followed: refused by name."""
+    """Grammars' surface: its tokens are a fixed function, so no output can be constrained."""
+
+    def warm(self) -> None:
+        pass
 
     def compile(self, guide):
-        raise InvalidRequestError("the simulated engine does not follow guides (structured output)")
+        raise InvalidRequestError("structured output is not simulated")
+
+
+class _NoModel:
+    broken = None
 
 
 class SimulatedCore:

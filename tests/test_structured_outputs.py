@@ -12,6 +12,7 @@ import re
 import threading
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -19,12 +20,12 @@ from app.engine import runner as runner_module
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
-from app.engine.run_ahead import next_decode
 from app.errors import InvalidRequestError
 from app.protocol import ErrorChunk, GenerateRequest, Guide, SamplingParams
 from tests.cluster_fixtures import make_tiny_chat_llama
 from tests.helpers import make_random_adapter, run_to_completion
 from tests.schema_fixtures import random_schemas
+from tests.test_sampler_engine import _EagerGraphs
 
 MAX_TOKENS = 200  # the longest of the 100 outputs below is under 80 tokens: every one ends by its grammar
 
@@ -209,18 +210,62 @@ def test_the_async_engine_compiles_off_the_engine_thread_and_rejects_before_any_
     assert len(threads) == 2 and "engine" not in threads
 
 
-def test_no_step_is_launched_ahead_while_a_constrained_request_runs(model, adapters):
-    engine = _engine(model, adapters)
-    # a guide no one token completes (a json_object's first token may be "{}", which ends it at once)
-    engine.add(GenerateRequest("j", (9, 8, 7), SamplingParams(max_tokens=MAX_TOKENS, guide=Guide("regex", "[a-z]{40}"))))
-    engine.add(GenerateRequest("p", (9, 8, 6), SamplingParams(max_tokens=MAX_TOKENS)))
-    engine.step()  # both prefilled and sampled: the next step would be a plain decode step
-    out = engine.runner.step([(s, 1) for s in engine.scheduler.running])
-    for seq in engine.scheduler.running:
-        engine.scheduler.computed(seq, 1)
-    assert next_decode(out, engine.scheduler, 8, max_batch=8) is None
-    engine.scheduler.running[0].grammar = None  # the same rows without a grammar do go ahead
-    assert next_decode(out, engine.scheduler, 8, max_batch=8) is not None
+def test_steps_launched_ahead_with_constrained_rows_draw_what_steps_run_in_turn_do(model, adapters):
+    """The run-ahead path on the CPU (an eager stand-in for the decode graphs): a step with constrained
+    rows is launched ahead and drawn once the previous tokens advanced the matchers; requests end
+    meanwhile (their rows are dropped from the step taken)."""
+    rng = random.Random(8)
+    requests = [GenerateRequest(f"g{i}", _prompt(rng), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=i,
+                                                                     guide=_schema_guide(s)), [None, "a"][i % 2])
+                for i, s in enumerate(random_schemas(5, seed=41))]
+    requests += [GenerateRequest("p", _prompt(rng), SamplingParams(max_tokens=9, temperature=0.0), "a"),
+                 GenerateRequest("s", _prompt(rng), SamplingParams(max_tokens=25, temperature=1.0, seed=3))]
+    out = {}
+    for ahead in (True, False):
+        engine = _engine(model, adapters, max_num_seqs=8, prefix_caching=False)
+        engine.runner.graphs = _EagerGraphs(engine)
+        if not ahead:
+            engine.runner.run_ahead = lambda result, scheduler: None
+        out[ahead] = _run(engine, requests), engine.runner.steps_taken_ahead
+    assert out[True][0] == out[False][0]
+    assert all(reason == "stop" for rid, (_, reason) in out[True][0].items() if rid.startswith("g"))
+    assert out[True][1] >= 10, out[True][1]
+
+
+def test_masked_rows_draw_only_allowed_tokens_and_greedy_ones_the_reference_argmax(monkeypatch):
+    """sampler.draw with a bitmask on some rows (greedy and seeded), against numpy's masked argmax."""
+    from app.engine.sampler import draw
+    from app.engine.sampling_params import Staging, step_sampling
+    from app.engine.sequence import Sequence
+
+    vocab, n, gen = 1000, 12, torch.Generator().manual_seed(3)
+    logits = torch.randn(n, vocab, generator=gen) * 4
+
+    class Allow:  # a GrammarState stand-in: allows the tokens of its set
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+    rng = random.Random(4)
+    seqs = []
+    for i in range(n):
+        params = SamplingParams(max_tokens=8, temperature=0.0 if i % 2 else 1.0, seed=i)
+        seq = Sequence(GenerateRequest(f"r{i}", (1, 2), params), i, i)
+        seq.grammar = Allow(set(rng.sample(range(vocab), rng.randint(1, 40)))) if i % 3 else None
+        seqs.append(seq)
+
+    def fill(states, width):
+        bits = np.zeros((len(states), width), dtype=bool)
+        for j, s in enumerate(states):
+            bits[j, list(s.tokens)] = True
+        return np.packbits(np.pad(bits, ((0, 0), (0, -width % 32))), axis=1, bitorder="little").view(np.int32)
+
+    monkeypatch.setattr("app.engine.sampling_params.fill_masks", fill)
+    tokens = draw(logits, step_sampling(seqs, (), vocab, Staging("cpu"))).tokens.tolist()
+    for i, seq in enumerate(seqs):
+        allowed = seq.grammar.tokens if seq.grammar else set(range(vocab))
+        assert tokens[i] in allowed
+        if seq.params.greedy:
+            assert tokens[i] == max(allowed, key=lambda t: logits[i, t].item())
 
 
 def test_n_choices_with_penalties_each_follow_their_own_grammar_as_alone(model, adapters):

@@ -68,6 +68,7 @@ class AsyncEngine:
         self.idle_since: float | None = time.time()  # wall time the last caller left; None while busy
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+        threading.Thread(target=core.grammars.warm, name="grammar-vocab", daemon=True).start()
 
     # -- caller side (any thread with an event loop) -----------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:

@@ -141,7 +141,8 @@ class EngineCore:
         stop_token = stop_token or (complete and token in seq.grammar.eos_ids)
         visible = seq.output_ids[:-1] if stop_token else seq.output_ids  # a stop token is not text
         text, stop_hit = seq.detok.update(visible, check_stop=past_min)
-        reason = "stop" if stop_token or stop_hit or complete else "length" if len(seq.output_ids) >= p.max_tokens else None
+        reason = "stop" if stop_token or stop_hit or complete else \
+            "length" if len(seq.output_ids) >= p.max_tokens else None
         if reason is not None:
             text += "" if stop_hit else seq.detok.flush(visible)
             self._drop(seq)

@@ -5,8 +5,9 @@ Why llguidance (docs/structured_outputs.md has the numbers): over 50 random sche
 ≤ 8 ms at p99 even with a 262k-token vocabulary (xgrammar: 100 ms there), its per-step mask time has
 the shorter tail, and it is one wheel with no dependencies.
 
-- `Grammars`, one per engine: the tokenizer's vocabulary as llguidance sees it (built on first use,
-  ~0.4 s for 49k tokens; EOS = the model's EOS ids, or the tokenizer's where the model names none),
+- `Grammars`, one per engine: the tokenizer's vocabulary as llguidance sees it (built once: 0.4 s for
+  49k tokens, 16 s for 262k on a 2-core CPU; the async engine starts it on a thread at start-up; EOS =
+  the model's EOS ids, or the tokenizer's where the model names none),
   and compiled guides cached by Guide (kind, spec). `compile` is thread-safe and meant to run off the
   engine thread; a grammar llguidance rejects (bad schema, unsupported keyword, bad regex) is an
   InvalidRequestError naming the problem.
@@ -62,6 +63,11 @@ class Grammars:
         self._tokenizer = None
         self._cache: OrderedDict[Guide, object] = OrderedDict()
         self._lock = threading.Lock()
+
+    def warm(self) -> None:
+        """Build the vocabulary now (seconds for a 262k one), so no request waits for it; errors wait for one."""
+        if self._hf_tokenizer is not None and self.eos_ids:
+            self._llg_tokenizer()
 
     def _llg_tokenizer(self):
         with self._lock:
@@ -127,7 +133,8 @@ def fill_masks(states: list[GrammarState], vocab_size: int) -> np.ndarray:
 
     with _executor_lock:
         if _executor is None:
-            _executor = llguidance.LLExecutor(num_threads=os.cpu_count())
+            # half the cores at most: its idle threads spin a while and would slow torch's own threads
+            _executor = llguidance.LLExecutor(num_threads=min(8, max(1, (os.cpu_count() or 2) // 2)))
     bits = np.empty((len(states), (vocab_size + 31) // 32), dtype=np.int32)
     lnp.fill_next_token_bitmask_par(_executor, [(s.matcher, i) for i, s in enumerate(states)], bits)
     return bits

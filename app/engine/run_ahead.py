@@ -16,14 +16,17 @@ that ended meanwhile (stop token, abort) are dropped, as a smaller batch would c
 KV writes went to slots that the real step rewrites, or to blocks of ended requests, which later
 owners write after it in stream order; its cost is one wasted decode step on the GPU.
 
-No step is launched ahead while a constrained request (structured output, app/engine/grammar.py)
-runs: its row's mask depends on step N's token, which the host has not read yet. Leaving the row
-out would not help: the next schedule holds it, so `take` would discard that step, and running it
-as a second forward would read the weights twice. The host fills the masks while the device runs
-the step's forward instead (app/engine/sampling_params.py).
+A constrained request (structured output, app/engine/grammar.py) goes ahead too, but its step's
+draw waits: a row's token mask depends on step N's token, which the host has not read when step
+N+1 is queued. Only the forward is queued then; `take` draws the step's rows from its logits once
+step N's tokens have advanced the matchers, with each row's mask (so the host fills the masks while
+the device still runs the forward, and step N+2 is queued behind that draw). Leaving the row out
+would not do: the next schedule holds it, so the step would be discarded, and a second forward for
+it alone would read the weights twice.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.engine.sequence import Sequence
@@ -36,7 +39,8 @@ class Ahead:
     positions: list[int]  # each row's num_computed it ran at
     src_rows: list[int]  # each row's row in `previous`, whose drawn token was its input token
     previous: StepOutput
-    output: StepOutput
+    output: StepOutput | None  # None: drawn when taken, by draw_later(rows, sequences)
+    draw_later: Callable[[list[int], list[Sequence]], object] | None = None
 
     def take(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput | None:
         """The output for this schedule if the step launched ahead computed it, else None."""
@@ -49,14 +53,17 @@ class Ahead:
                 return None
             rows.append(i)
         rows.sort()
-        return StepOutput([self.order[i] for i in rows], self.output.drawn, rows)
+        seqs = [self.order[i] for i in rows]
+        if self.output is None:
+            return StepOutput(seqs, self.draw_later(rows, seqs))
+        return StepOutput(seqs, self.output.drawn, rows)
 
 
 def next_decode(out: StepOutput, scheduler, block_size: int, max_batch: int) -> tuple[list[Sequence], list[int]] | None:
     """The rows (and their rows in `out`) of the decode step that follows `out` for sure, or None;
     rows whose next token starts a block are given it."""
     running = scheduler.running
-    if len(out.sampled) != len(running) or any(seq.grammar is not None for seq in out.sampled):
+    if len(out.sampled) != len(running):
         return None
     order, src = [], []
     for row, seq in zip(out.rows, out.sampled):

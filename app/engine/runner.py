@@ -6,6 +6,7 @@ of the CPU path. Either way the step's rows are sampled right behind its logits,
 (app/engine/sampler.py). The model itself knows none of this."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from app.engine.batch import build_paged_step, build_step
@@ -62,10 +63,20 @@ class ModelRunner:
         order, src = nxt
         positions = [s.num_computed for s in order]
         logits = self.graphs.run(order, next_tokens=(out.drawn.tokens, src))
+        if any(s.grammar is not None for s in order):  # masks need step N's tokens: drawn when taken
+            later = lambda rows, seqs: self._draw(self._rows(logits, rows), seqs)  # noqa: E731
+            self.ahead = Ahead(order, positions, src, out, None, later)
+            return
         # penalised rows count the token they gained from the device, as the graph reads it: no need to
         # keep them (and with them the whole batch) out of the step launched ahead
         drawn = self._draw(logits, order, ahead=1, pending=(out.drawn.tokens, src))
         self.ahead = Ahead(order, positions, src, out, StepOutput(order, drawn))
+
+    def _rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """These rows of logits, selected on the device (indices through the staging copy: no host sync)."""
+        if rows == list(range(logits.shape[0])):
+            return logits
+        return logits.index_select(0, self.staging.upload(np.array(rows, dtype=np.float64)).long())
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [n, vocab] (fp32) and the n sequences whose next token they give, in row order."""

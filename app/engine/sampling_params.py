@@ -90,7 +90,9 @@ class Staging:
         """values (1-D; float64, or int32 for token masks) on the device."""
         if not self.cuda:
             return torch.from_numpy(values).to(self.device)
-        slot = self._slots.setdefault(values.dtype, [[None, None], [torch.cuda.Event(), torch.cuda.Event()], 0])
+        slot = self._slots.get(values.dtype)
+        if slot is None:
+            slot = self._slots[values.dtype] = [[None, None], [torch.cuda.Event(), torch.cuda.Event()], 0]
         buffers, copied, k = slot
         slot[2] ^= 1
         copied[k].synchronize()
