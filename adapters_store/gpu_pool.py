@@ -13,12 +13,11 @@ engine keeps stepping other requests and admits the adapter's requests once
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-
-import time
-from typing import Callable
 
 import torch
 

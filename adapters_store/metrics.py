@@ -32,8 +32,7 @@ def _inside_ray() -> bool:
 class _RayExport:
     def __init__(self):
         from ray.serve.metrics import Counter as RayCounter
-        from ray.serve.metrics import Gauge
-        from ray.serve.metrics import Histogram
+        from ray.serve.metrics import Gauge, Histogram
 
         def counter(name, doc, tags):
             return RayCounter(f"loraplex_adapter_{name}", description=doc, tag_keys=tags)

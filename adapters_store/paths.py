@@ -37,7 +37,7 @@ class S3Uri:
         """The listing prefix: always ends in "/", so "lora1" never matches "lora10/…"."""
         return "".join(s + "/" for s in self.segments)
 
-    def child(self, name: str) -> "S3Uri":
+    def child(self, name: str) -> S3Uri:
         return S3Uri(self.bucket, (*self.segments, check_name(name)))
 
     def __str__(self) -> str:

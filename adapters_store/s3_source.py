@@ -14,13 +14,25 @@ import time
 from dataclasses import dataclass
 
 from adapters_store.disk_cache import DiskCache, ObjectInfo, VerifyingSink
-from adapters_store.errors import (AdapterFetchError, AdapterNotFoundError, SourceChangedError, SourceResponseError,
-                                   SourceTimeoutError)
+from adapters_store.errors import (
+    AdapterFetchError,
+    AdapterNotFoundError,
+    SourceChangedError,
+    SourceResponseError,
+    SourceTimeoutError,
+)
 from adapters_store.metrics import Progress
 from adapters_store.paths import NAME, S3Uri, cache_file
 from adapters_store.peft_weights import WEIGHTS_FILE
-from adapters_store.sources import (BIN_FILE, CONFIG_FILE, Snapshot, b64_to_hex, check_config_size,
-                                    missing_weights, version_of)
+from adapters_store.sources import (
+    BIN_FILE,
+    CONFIG_FILE,
+    Snapshot,
+    b64_to_hex,
+    check_config_size,
+    missing_weights,
+    version_of,
+)
 
 _NOT_FOUND = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
 _THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
@@ -56,8 +68,13 @@ def make_client(cfg: S3Config):
 def fetch_error(exc: Exception, what: str) -> Exception:
     """A boto3/botocore failure as the store's error of its kind (not found, changed, unusable
     answer, timed out, unavailable)."""
-    from botocore.exceptions import (ClientError, ConnectTimeoutError, FlexibleChecksumError, NoCredentialsError,
-                                     ReadTimeoutError)
+    from botocore.exceptions import (
+        ClientError,
+        ConnectTimeoutError,
+        FlexibleChecksumError,
+        NoCredentialsError,
+        ReadTimeoutError,
+    )
 
     if isinstance(exc, ClientError):
         code = str(exc.response.get("Error", {}).get("Code", ""))

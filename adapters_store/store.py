@@ -27,8 +27,14 @@ from pathlib import Path
 import torch
 
 from adapters_store.disk_cache import DiskCache, DiskCacheConfig
-from adapters_store.errors import (AdapterError, AdapterFetchError, AdapterNotFoundError, InvalidAdapterError,
-                                   SourceChangedError, UnknownAdapterError)
+from adapters_store.errors import (
+    AdapterError,
+    AdapterFetchError,
+    AdapterNotFoundError,
+    InvalidAdapterError,
+    SourceChangedError,
+    UnknownAdapterError,
+)
 from adapters_store.gpu_pool import adapter_bytes
 from adapters_store.host_cache import HostCache, HostCacheConfig
 from adapters_store.manifest import parse_manifest

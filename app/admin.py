@@ -22,7 +22,6 @@ from app.errors import AdapterNotFoundError, InvalidAdapterError, InvalidRequest
 from app.http_errors import loraplex_cause
 from app.registry import AdapterSpec
 
-
 _MAX_PATH = 4096  # Linux's PATH_MAX: longer fails in the OS (ENAMETOOLONG)
 OUTSIDE_ROOTS = "path: not an adapter directory inside the server's adapter_roots"
 

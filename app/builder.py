@@ -7,7 +7,7 @@ still overrides them, as Serve does for any app).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ray.serve import Application
 

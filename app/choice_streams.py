@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from app.client_stream import MigrationPolicy, ResubmittingStream
 from app.protocol import ErrorChunk, GenerateRequest, Migrate, TokenChunk, is_final
@@ -104,7 +104,7 @@ class Choices:
         self.streams = streams
 
     @classmethod
-    async def open(cls, submit: Callable, request: GenerateRequest, policy: MigrationPolicy) -> "Choices":
+    async def open(cls, submit: Callable, request: GenerateRequest, policy: MigrationPolicy) -> Choices:
         """Validation errors raise here (once the replica rejected the request), before any HTTP response."""
         shared = _SharedCall(submit, request)
         streams = [ResubmittingStream(shared.submitter(request.index + j), _alone(request, j), policy)

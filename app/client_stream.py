@@ -28,9 +28,9 @@ import asyncio
 import dataclasses
 import logging
 import random
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse
 from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
@@ -66,7 +66,7 @@ def replica_submit(generate, adapter, epoch: int) -> Callable:
     return lambda request: generate.remote(request, adapter, epoch)
 
 
-_live: dict[str, set["ResubmittingStream"]] = {}  # replica id → streams it serves (this process)
+_live: dict[str, set[ResubmittingStream]] = {}  # replica id → streams it serves (this process)
 _migrations = Counter("loraplex_migrations", "requests moved to another replica, by reason", tag_keys=("reason",))
 
 
@@ -100,7 +100,7 @@ class ResubmittingStream:
         self._first = None
 
     @classmethod
-    async def open(cls, submit: Callable, request: GenerateRequest, policy: MigrationPolicy) -> "ResubmittingStream":
+    async def open(cls, submit: Callable, request: GenerateRequest, policy: MigrationPolicy) -> ResubmittingStream:
         """Validation errors (a LoraplexError) raise here, before any HTTP response starts."""
         stream = cls(submit, request, policy)
         await stream.start()
@@ -151,7 +151,7 @@ class ResubmittingStream:
             avoid_replicas=self.failed, migrated_from=self.replica)
         try:
             return await self._connect(resumed, wait_s=self.policy.failover_wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return ErrorChunk(self.request.request_id, f"no replica took the request within "
                               f"{self.policy.failover_wait_s:g} s after its replica stopped", 503, self.request.index)
         except (LoraplexError, BackPressureError) as exc:

@@ -105,7 +105,7 @@ class EngineMetrics:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-metrics", daemon=True)
 
-    def start(self) -> "EngineMetrics":
+    def start(self) -> EngineMetrics:
         self._thread.start()
         return self
 

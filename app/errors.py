@@ -1,8 +1,18 @@
 """The serving app's own errors, and the store's re-exported under the names the app
 uses. Each is answered with the status and code app/http_errors.py gives its class."""
-from adapters_store.errors import (AdapterError, AdapterFetchError, AdapterNotFoundError, AdapterUriError,
-                                   InvalidAdapterError, LoraplexError, SourceChangedError, SourceResponseError,
-                                   SourceTimeoutError, UnknownAdapterError, UnsafePathError)
+from adapters_store.errors import (
+    AdapterError,
+    AdapterFetchError,
+    AdapterNotFoundError,
+    AdapterUriError,
+    InvalidAdapterError,
+    LoraplexError,
+    SourceChangedError,
+    SourceResponseError,
+    SourceTimeoutError,
+    UnknownAdapterError,
+    UnsafePathError,
+)
 
 __all__ = [
     "LoraplexError", "InvalidRequestError", "ContextLengthError", "BodyTooLargeError", "AuthenticationError",

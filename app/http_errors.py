@@ -8,14 +8,26 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from app.errors import (AdapterError, AdapterFetchError, AdapterNotFoundError, AuthenticationError, BodyTooLargeError,
-                        ContextLengthError, InvalidAdapterError, LoraplexError, OverloadedError,
-                        PermissionDeniedError, RegistryUnavailableError, SourceResponseError, SourceTimeoutError,
-                        UnknownAdapterError)
+from app.errors import (
+    AdapterError,
+    AdapterFetchError,
+    AdapterNotFoundError,
+    AuthenticationError,
+    BodyTooLargeError,
+    ContextLengthError,
+    InvalidAdapterError,
+    LoraplexError,
+    OverloadedError,
+    PermissionDeniedError,
+    RegistryUnavailableError,
+    SourceResponseError,
+    SourceTimeoutError,
+    UnknownAdapterError,
+)
 
 log = logging.getLogger("ray.serve")
 

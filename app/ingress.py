@@ -25,8 +25,7 @@ from app import http_errors
 from app.admin import AdapterAdmin, LoadLoraAdapter, RegisterAdapter, UnloadLoraAdapter
 from app.auth import Auth, Caller, is_loopback, serve_bind_host
 from app.choice_streams import Choices
-from app.client_stream import (MigrationPolicy, ResubmittingStream, collect, replica_submit, sse_events,
-                               with_fixed_seed)
+from app.client_stream import MigrationPolicy, ResubmittingStream, collect, replica_submit, sse_events, with_fixed_seed
 from app.config import Settings
 from app.engine.factory import load_tokenizer
 from app.errors import AdapterNotFoundError, InvalidRequestError

@@ -90,12 +90,12 @@ class GenerateRequest:
     n: int = 1  # choices generated from the prompt, with indices index … index+n−1 (docs/n_choices.md)
     index: int = 0  # its first choice's index (a choice re-submitted alone keeps its own)
 
-    def choice(self, j: int) -> "GenerateRequest":
+    def choice(self, j: int) -> GenerateRequest:
         """Its j-th choice as a request of its own: what that choice equals, token for token."""
         seed = None if self.params.seed is None else choice_seed(self.params.seed, j)
         return dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed), n=1, index=self.index + j)
 
-    def resumed(self, migrate: "Migrate") -> "GenerateRequest":
+    def resumed(self, migrate: Migrate) -> GenerateRequest:
         """The request to re-submit after ``migrate``: same id and params, the choice it ended,
         alone, with its seed."""
         params = dataclasses.replace(self.params, seed=migrate.seed)
@@ -123,7 +123,7 @@ class TokenChunk:
     completion_tokens: int = 0  # of this choice
     index: int = 0  # the choice it belongs to
 
-    def then(self, later: "TokenChunk") -> "TokenChunk":
+    def then(self, later: TokenChunk) -> TokenChunk:
         """This chunk followed by ``later`` as one: tokens, text and logprobs concatenated;
         finish reason and usage from ``later``."""
         logprobs = None if self.logprobs is None and later.logprobs is None else \

@@ -11,9 +11,9 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 from ray import serve
 

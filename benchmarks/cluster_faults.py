@@ -38,8 +38,8 @@ def deploy(app: str, num_kv_blocks: int):
 
     from app.config import parse_args
     from app.engine.config import EngineConfig
-    from tests.simulated_engine import StepTime, simulated_engine
     from app.replica import LoraReplica, ReplicaSettings
+    from tests.simulated_engine import StepTime, simulated_engine
 
     args = {"max_batch_size": MAX_BATCH, "num_kv_blocks": num_kv_blocks, "block_size": 4,
             "cluster": {"routing_stats_period_s": 0.2, "max_migrations": 64, "failover_wait_s": FAILOVER_WAIT_S},
@@ -68,9 +68,9 @@ def replica_reports(app: str) -> list[dict]:
 
 
 async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float, disconnect: float, seed: int):
-    from tests.simulated_engine import simulated_token
-    from app.protocol import GenerateRequest, SamplingParams
     from app.client_stream import MigrationPolicy, ResubmittingStream
+    from app.protocol import GenerateRequest, SamplingParams
+    from tests.simulated_engine import simulated_token
 
     live: dict[str, str] = {}  # request id → its replica now
     kills: list[str] = []

@@ -42,12 +42,12 @@ REPLICAS, MAX_BATCH, PROMPT, NEW_TOKENS = 4, 8, 32, (16, 48)
 async def run_router(router: str, arrivals: list[float], seed: int) -> dict:
     from ray import serve
 
+    from app.client_stream import MigrationPolicy, ResubmittingStream
     from app.config import parse_args
     from app.engine.config import EngineConfig
-    from tests.simulated_engine import StepTime, simulated_engine, simulated_token
     from app.protocol import GenerateRequest, SamplingParams
     from app.replica import LoraReplica, ReplicaSettings
-    from app.client_stream import MigrationPolicy, ResubmittingStream
+    from tests.simulated_engine import StepTime, simulated_engine, simulated_token
 
     app = f"routing-{router}"
     args = {"max_batch_size": MAX_BATCH, "num_kv_blocks": 128, "block_size": 16,

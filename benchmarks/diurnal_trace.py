@@ -116,8 +116,8 @@ class Sampler:
 def simulated_replica(policy: str):
     """The LoraReplica deployment with the simulated engine core (the CPU run)."""
     from app.engine.config import EngineConfig
-    from tests.simulated_engine import StepTime, simulated_engine
     from app.replica import LoraReplica, ReplicaSettings
+    from tests.simulated_engine import StepTime, simulated_engine
 
     settings = ReplicaSettings(None, EngineConfig(max_num_seqs=MAX_BATCH, num_kv_blocks=512, block_size=16), (),
                                migrate_locally=False)
@@ -131,8 +131,8 @@ async def run_policy(policy: str, arrivals, replica, max_batch: int = MAX_BATCH,
     (``step``: the step-time model the replicas sleep, None for a real engine)."""
     from ray import serve
 
-    from app.protocol import GenerateRequest, SamplingParams
     from app.client_stream import MigrationPolicy, ResubmittingStream
+    from app.protocol import GenerateRequest, SamplingParams
 
     app = f"diurnal-{policy}"
     serve.run(replica, name=app, route_prefix=None)

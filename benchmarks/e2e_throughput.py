@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.method import copy_bandwidth, save_figure  # noqa: E402
 from benchmarks.hf_peers import hf_peers  # noqa: E402
+from benchmarks.method import copy_bandwidth, save_figure  # noqa: E402
 from benchmarks.step_profile import profile_breakdown  # noqa: E402
 
 WORKLOADS = ("backbone", "identical", "uniform", "skewed", "distinct")

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph  # noqa: E402
 from benchmarks import vllm_peer  # noqa: E402
+from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph  # noqa: E402
 from ops import sgmv  # noqa: E402
 
 RANKS = (8, 16, 32, 64)

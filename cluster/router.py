@@ -23,8 +23,8 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, List, Optional
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -138,8 +138,8 @@ class ConsolidatingRouter(RequestRouter):
         self._wait = Histogram("loraplex_router_wait_for_room_s", "time a request waited for a replica with room",
                                boundaries=[0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30])
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is not None:
             # Serve retries without sleeping unless told to back off (its locality mixin sets
             # this; this router has none): a busy loop that starves the router's event loop
@@ -171,7 +171,7 @@ class ConsolidatingRouter(RequestRouter):
         self._routed.inc(tags={"target_replica": rid})
         self._wait.observe(max(0.0, time.time() - pending_request.created_at))
 
-    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = {r.unique_id for r in self._replica_id_set}
         super().update_replicas(replicas)
         gone = before - {r.replica_id.unique_id for r in replicas}

@@ -33,8 +33,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.model.default import DEFAULT_MODEL_NAME, default_model_dir  # noqa: E402
-from examples.adapter_data import (GENERAL_QUESTIONS, HELDOUT_FRENCH, HELDOUT_GENERAL,  # noqa: E402
-                                   first_sentences, french_examples, piratify, sentences, shoutify)
+from examples.adapter_data import (  # noqa: E402
+    GENERAL_QUESTIONS,
+    HELDOUT_FRENCH,
+    HELDOUT_GENERAL,
+    first_sentences,
+    french_examples,
+    piratify,
+    shoutify,
+)
 
 END = "<|im_end|>"
 

@@ -19,8 +19,17 @@ import torch
 
 from . import launch as _launch
 from . import nvrtc, reference
-from .sgmv_shapes import (EXPAND, FUSED, GX_PER_SM, SHRINK, SPLIT, all_kernel_names,  # noqa: F401 (API)
-                          fused_kernel_names, fused_shape, kernel_name)
+from .sgmv_shapes import (  # noqa: F401 (API)
+    EXPAND,
+    FUSED,
+    GX_PER_SM,
+    SHRINK,
+    SPLIT,
+    all_kernel_names,
+    fused_kernel_names,
+    fused_shape,
+    kernel_name,
+)
 
 
 class _Args(ctypes.Structure):

@@ -52,7 +52,8 @@ def all_kernel_names() -> list[str]:
 
 
 def _run(name: str, grid: int, threads: int, args, device: torch.device):
-    from . import launch as _launch, nvrtc  # not at import: CPU-only processes never load NVRTC
+    from . import launch as _launch  # not at import: CPU-only processes never load NVRTC
+    from . import nvrtc
 
     index = torch.cuda.current_device() if device.index is None else device.index
     _launch.launch(nvrtc.load_function("small_ops.cu", name, index), grid, threads, args, device)

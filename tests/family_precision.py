@@ -67,6 +67,11 @@ def errors_from_fp32(engine, path, adapter_dirs: dict, tokens: list[int], adapte
     ours = engine_logits(engine, tokens, adapter)
     hf = hf_logits(path, adapter_dir, tokens, dtype, device)
     ref = hf_logits(path, adapter_dir, tokens, torch.float32, device)
-    err = lambda x: float((x - ref).abs().amax(-1).mean())
-    agree = lambda x: float((x.argmax(-1) == ref.argmax(-1)).float().mean())
+
+    def err(x):
+        return float((x - ref).abs().amax(-1).mean())
+
+    def agree(x):
+        return float((x.argmax(-1) == ref.argmax(-1)).float().mean())
+
     return (err(ours), err(hf)), (agree(ours), agree(hf))

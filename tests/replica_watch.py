@@ -23,7 +23,7 @@ class ReplicaWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def __enter__(self) -> "ReplicaWatch":
+    def __enter__(self) -> ReplicaWatch:
         self._sample()
         self._thread.start()
         return self

@@ -10,8 +10,16 @@ import pytest
 
 from app.builder import app_from_args
 from app.model.default import DEFAULT_MODEL_NAME as BASE
-from tests.app_fixtures import (APP, FAIL_SEED, config_args, engine_failing_on_seed, example_adapter_names,
-                                replica_stats, serving, wait_for)
+from tests.app_fixtures import (
+    APP,
+    FAIL_SEED,
+    config_args,
+    engine_failing_on_seed,
+    example_adapter_names,
+    replica_stats,
+    serving,
+    wait_for,
+)
 from tests.error_hygiene import checked_client
 
 ADAPTER = (example_adapter_names() or [BASE])[0]

@@ -13,7 +13,7 @@ from app.engine.factory import build_engine
 from app.generate import EXAMPLE_ADAPTERS, local_adapters
 from app.model.default import DEFAULT_MODEL_NAME as BASE
 from app.protocol import GenerateRequest, SamplingParams
-from tests.app_fixtures import APP, config_args, example_adapter_names, replica_stats, serving, wait_for
+from tests.app_fixtures import APP, config_args, example_adapter_names, replica_stats, serving
 from tests.error_hygiene import checked_openai
 
 ADAPTERS = example_adapter_names()

@@ -24,7 +24,6 @@ from tests.autoscaling_checks import complete, deploy, expected_text, in_threads
 from tests.replica_watch import ReplicaWatch
 
 
-
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray with Serve; yields the Prometheus port of Ray's metrics agent."""

@@ -4,8 +4,8 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError
 
-from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, SamplingParams, TokenChunk
 from app.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
+from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, SamplingParams, TokenChunk
 from cluster.router import Need, Policy, ReplicaView, rank
 from cluster.stats import ReplicaStats
 

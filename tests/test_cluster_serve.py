@@ -14,15 +14,32 @@ import pytest
 import ray
 
 from app.builder import app_from_args
+from app.client_stream import MigrationPolicy, with_fixed_seed
 from app.protocol import ErrorChunk, GenerateRequest, SamplingParams
 from app.registry import scan
-from app.client_stream import MigrationPolicy, with_fixed_seed
 from tests.app_fixtures import config_args, serving, wait_for
-from tests.cluster_fixtures import (deploy_replicas, make_tiny_chat_llama, replica_actor, replica_ids, replica_report,
-                                    scale, slowed_engine)
-from tests.helpers import make_random_adapter
+from tests.cluster_checks import (
+    ADAPTERS,
+    POLICY,
+    Reference,
+    assert_same,
+    client_stream,
+    idle,
+    make_requests,
+    submit_to,
+    summary,
+)
+from tests.cluster_fixtures import (
+    deploy_replicas,
+    make_tiny_chat_llama,
+    replica_actor,
+    replica_ids,
+    replica_report,
+    scale,
+    slowed_engine,
+)
 from tests.error_hygiene import checked_openai
-from tests.cluster_checks import ADAPTERS, POLICY, Reference, assert_same, client_stream, idle, make_requests, submit_to, summary
+from tests.helpers import make_random_adapter
 
 PACK_LEN = 256  # the "pack" replicas' context length
 

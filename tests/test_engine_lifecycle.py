@@ -5,7 +5,7 @@ import pytest
 
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
-from app.errors import AdapterNotFoundError, ContextLengthError, InvalidAdapterError, InvalidRequestError
+from app.errors import AdapterNotFoundError, ContextLengthError, InvalidRequestError
 from app.protocol import GenerateRequest, SamplingParams
 from tests.helpers import make_random_adapter, run_to_completion
 

@@ -19,8 +19,16 @@ from safetensors.torch import load_file, save_file
 from app.builder import app_from_args
 from app.generate import EXAMPLE_ADAPTERS
 from app.model.default import DEFAULT_MODEL_NAME as BASE
-from tests.app_fixtures import (APP, FLAKY_ADAPTER, config_args, engine_with_flaky_adapter_load, example_adapter_names,
-                                replica_stats, serving, wait_for)
+from tests.app_fixtures import (
+    APP,
+    FLAKY_ADAPTER,
+    config_args,
+    engine_with_flaky_adapter_load,
+    example_adapter_names,
+    replica_stats,
+    serving,
+    wait_for,
+)
 from tests.error_hygiene import checked_client, checked_openai, leaks
 
 ADAPTERS = example_adapter_names()

@@ -13,8 +13,8 @@ from adapters_store.peft_weights import load_local
 from adapters_store.s3_source import S3Config, S3Source, discover
 from adapters_store.store import AdapterStore
 from app.errors import AdapterNotFoundError, InvalidAdapterError
-from tests.helpers import make_random_adapter
 from tests.fault_proxy import Fault
+from tests.helpers import make_random_adapter
 from tests.store_helpers import assert_same_weights, store_config, upload_dir, write_adapter
 
 pytest_plugins = ["tests.s3_fixtures"]  # fixtures: s3, shape

@@ -14,9 +14,9 @@ from app.client_stream import MigrationPolicy, ResubmittingStream, _replicas_lea
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
-from tests.simulated_engine import SimulatedCore, StepTime
 from app.protocol import Accepted, GenerateRequest, SamplingParams, TokenChunk, coalesce, is_final
 from tests.cluster_fixtures import make_tiny_chat_llama
+from tests.simulated_engine import SimulatedCore, StepTime
 
 # float64: a resumed request is recomputed in another shape; fp32 rounding can move a sampled draw of
 # the tiny model's near-uniform distribution across a token boundary (3 resumed streams in 100).

@@ -15,12 +15,12 @@ from adapters_store.manifest import TARGET_MODULES
 from adapters_store.peft_weights import load_local
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
-from app.model.config import ModelConfig
 from app.engine.tp.sharding import COLUMN, Shard, gather_lora_pair, load_shard_weights, shard_adapter, shard_config
+from app.model.config import ModelConfig
 from app.model.weights import load_weights
 from app.protocol import GenerateRequest, SamplingParams
-from tests.helpers import make_random_adapter, run_to_completion
 from tests.error_hygiene import checked_openai
+from tests.helpers import make_random_adapter, run_to_completion
 
 RANKS = {"a": 4, "b": 8, "c": 16, "d": 2}
 

@@ -16,8 +16,8 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from typing import AsyncIterator
 
 from app.engine.core import EngineCore
 from app.engine.telemetry import EngineTelemetry

@@ -8,10 +8,10 @@ from adapters_store.gpu_pool import LoraPool, PoolConfig, slots_for_budget
 from adapters_store.store import AdapterStore, StoreConfig, check_budgets
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
+from app.engine.tp.sharding import shard_config
 from app.model.config import ModelConfig
 from app.model.llama import LlamaModel
 from app.model.source import resolve_model
-from app.engine.tp.sharding import shard_config
 from app.model.weights import load_weights
 
 

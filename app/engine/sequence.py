@@ -21,8 +21,8 @@ class Sequence:
     detok: object = None
     grammar: object = None  # GrammarState (app/engine/grammar.py) of a constrained request
     index: int = 0  # its choice's index in its request (docs/n_choices.md)
-    forks: list["Sequence"] = field(default_factory=list)  # sibling choices waiting to share its prompt blocks
-    fork_of: "Sequence | None" = None  # the sibling whose prompt blocks it waits to share
+    forks: list[Sequence] = field(default_factory=list)  # sibling choices waiting to share its prompt blocks
+    fork_of: Sequence | None = None  # the sibling whose prompt blocks it waits to share
 
     def __post_init__(self):
         self.output_ids = list(self.request.resume_token_ids)

@@ -35,7 +35,7 @@ class ModelConfig:
     fused_adapter_modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
-    def from_hf(cls, hf) -> "ModelConfig":
+    def from_hf(cls, hf) -> ModelConfig:
         traits = check_supported(hf)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         inv_freq, scaling, local_inv, local_scaling = _rope(hf, traits)

@@ -17,7 +17,7 @@ class LoraSegments:
     slot_ids: dict[str, torch.Tensor]  # module -> [segments] int32; modules no run uses may be absent
     host: dict[str, tuple] | None  # module -> ((lo, hi, slot, rank, scale), ...); None on CUDA (unused)
 
-    def to(self, device) -> "LoraSegments":
+    def to(self, device) -> LoraSegments:
         slot_ids = {m: t.to(device, non_blocking=True) for m, t in self.slot_ids.items()}
         return LoraSegments(self.indptr.to(device, non_blocking=True), slot_ids, self.host)
 

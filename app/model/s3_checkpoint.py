@@ -32,8 +32,16 @@ from adapters_store.disk_cache import ObjectInfo
 from adapters_store.errors import AdapterError
 from adapters_store.metrics import Progress
 from adapters_store.paths import S3Uri, cache_dir, parse_uri
-from adapters_store.s3_source import (S3Config, client_errors, etag_is_md5, fetch_error, list_under, make_client,
-                                      object_info, version_pin)
+from adapters_store.s3_source import (
+    S3Config,
+    client_errors,
+    etag_is_md5,
+    fetch_error,
+    list_under,
+    make_client,
+    object_info,
+    version_pin,
+)
 from adapters_store.sources import version_of
 from app.model.node_cache import ModelSourceError, cache_root, fill_once
 from app.model.source import no_safetensors

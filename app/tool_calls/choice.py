@@ -101,7 +101,7 @@ class ToolSupport:
     markers: tuple[tuple[int, str], ...]  # the format's markers that the detokenizer drops
 
     @classmethod
-    def of(cls, tokenizer, model_type: str, setting: str) -> "ToolSupport":
+    def of(cls, tokenizer, model_type: str, setting: str) -> ToolSupport:
         template = tokenizer.get_chat_template(tools=[]) if tokenizer.chat_template else ""
         fmt = select_format(setting, template, model_type)
         markers = dropped_markers(tokenizer, fmt.markers) if fmt else {}

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from ops import paged_attention as pa
 from ops import paged_decode as pd
-from ops.paged_attention import PrefillRows
 from ops import small_ops
 from ops.norms import rms_norm
+from ops.paged_attention import PrefillRows
 from ops.rope import apply_rope
 
 pytestmark = pytest.mark.gpu
