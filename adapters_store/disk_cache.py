@@ -6,6 +6,7 @@ final names, so a partial or corrupt download is never served, also after a cras
 mid-download; stale temp files are removed at start. Total size is bounded by an
 LRU over the files this process knows (shared roots are best effort).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -77,9 +78,11 @@ class VerifyingSink:
     def finish(self) -> bytes:
         if self.size != self.info.size:
             raise self._bad(f"got {self.size} of {self.info.size} bytes (truncated)")
-        checks = [("MD5", self.md5 and self.md5.hexdigest(), self.info.md5),
-                  ("SHA-256", self.sha256 and self.sha256.hexdigest(), self.info.sha256),
-                  ("CRC32", self.info.crc32 and f"{self.crc32:08x}", self.info.crc32)]
+        checks = [
+            ("MD5", self.md5 and self.md5.hexdigest(), self.info.md5),
+            ("SHA-256", self.sha256 and self.sha256.hexdigest(), self.info.sha256),
+            ("CRC32", self.info.crc32 and f"{self.crc32:08x}", self.info.crc32),
+        ]
         for algo, got, want in checks:
             if want and got != want:
                 raise self._bad(f"{algo} mismatch (got {got}, expected {want})")

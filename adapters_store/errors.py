@@ -5,6 +5,7 @@ Permanent (the store remembers them for ``miss_ttl_s``): the adapter does not
 exist, cannot be served, or its name or URI is refused. Transient (the next
 request retries): AdapterFetchError and its kinds, which say "try again later".
 """
+
 from __future__ import annotations
 
 

@@ -11,6 +11,7 @@ into the slot (adapters_store.host_cache.pack lays the buffer out for that); the
 engine keeps stepping other requests and admits the adapter's requests once
 ``ready(slot)`` (the copy's event has completed).
 """
+
 from __future__ import annotations
 
 import time
@@ -49,8 +50,12 @@ def slots_for_budget(shape: ModelShape, max_rank: int, dtype: torch.dtype, budge
 
 
 class LoraPool:
-    def __init__(self, shape: ModelShape, config: PoolConfig,
-                 on_load: Callable[[int, float], None] = lambda nbytes, seconds: None):
+    def __init__(
+        self,
+        shape: ModelShape,
+        config: PoolConfig,
+        on_load: Callable[[int, float], None] = lambda nbytes, seconds: None,
+    ):
         """on_load(bytes, seconds): called when a load into a slot completes (for metrics)."""
         self.config = config
         self.on_load = on_load
@@ -119,7 +124,6 @@ class LoraPool:
     def resident(self) -> list[AdapterKey]:
         return list(self._slot_of)
 
-
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
@@ -164,8 +168,12 @@ class LoraPool:
             self._copy_stream.wait_event(slot_free)
             staging = weights.buffer.to(self.config.device, non_blocking=True)  # the one host→device copy
             on_device = lambda t: staging.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731
-            self.fill(slot, {m: ModuleStack(st.layers, on_device(st.A), on_device(st.Bt))
-                              for m, st in weights.stacks.items()}, weights.manifest.rank, weights.manifest.scale)
+            self.fill(
+                slot,
+                {m: ModuleStack(st.layers, on_device(st.A), on_device(st.Bt)) for m, st in weights.stacks.items()},
+                weights.manifest.rank,
+                weights.manifest.scale,
+            )
             done = torch.cuda.Event()
             done.record(self._copy_stream)
         return done, staging

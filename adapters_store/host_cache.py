@@ -6,6 +6,7 @@ laid out as the GPU pool's slots want it (see ``pack``) — so the pool's
 host→device copy is one truly asynchronous transfer. Eviction only drops the
 cache's reference: an adapter still held by a loader stays valid until released.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,7 +44,7 @@ def pack(weights: LoraWeights, pin: bool, dtype: torch.dtype = torch.float32) ->
 
     def block(matrices: list[torch.Tensor]) -> torch.Tensor:
         nonlocal offset
-        view = flat[offset:offset + sum(t.numel() for t in matrices)].view(len(matrices), *matrices[0].shape)
+        view = flat[offset : offset + sum(t.numel() for t in matrices)].view(len(matrices), *matrices[0].shape)
         view.copy_(torch.stack(matrices))
         offset += view.numel()
         return view
@@ -82,8 +83,11 @@ class HostCache:
     def put(self, weights: LoraWeights) -> LoraWeights:
         """Cache weights (packed/pinned if configured) and return what callers should use."""
         key = (weights.name, weights.version)
-        packed = weights.buffer is not None and weights.buffer.dtype == self.config.dtype and \
-            (not self.pin or weights.buffer.is_pinned())
+        packed = (
+            weights.buffer is not None
+            and weights.buffer.dtype == self.config.dtype
+            and (not self.pin or weights.buffer.is_pinned())
+        )
         if (self.pin or self.config.dtype != torch.float32) and not packed:
             weights = pack(weights, pin=self.pin, dtype=self.config.dtype)
         if weights.nbytes > self.config.budget_bytes:

@@ -3,6 +3,7 @@
 Only what we serve exactly is accepted; everything else is a clear
 InvalidAdapterError (never a silent approximation).
 """
+
 from __future__ import annotations
 
 import json
@@ -65,7 +66,9 @@ def parse_manifest(raw: bytes | str, max_rank: int) -> AdapterManifest:
     if isinstance(targets, list):
         unknown = sorted(set(targets) - set(TARGET_MODULES + FUSED_TARGET_MODULES))
         if unknown:
-            raise InvalidAdapterError(f"unknown target modules {unknown}; supported: {list(TARGET_MODULES + FUSED_TARGET_MODULES)}")
+            raise InvalidAdapterError(
+                f"unknown target modules {unknown}; supported: {list(TARGET_MODULES + FUSED_TARGET_MODULES)}"
+            )
         targets = tuple(targets)
     elif not isinstance(targets, str):
         raise InvalidAdapterError("target_modules must be a list of module names or a regex string")

@@ -10,6 +10,7 @@ Tiers: "host", "disk" (hits/misses/evictions); loads by source: "s3", "disk",
 load-seconds histogram; ``publish`` sets the per-tier gauges (resident adapters,
 bytes, budget) from ``AdapterStore.tiers``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,12 +41,23 @@ class _RayExport:
         self.events = counter("cache_events", "Adapter cache hits/misses/evictions", ("tier", "event"))
         self.errors = counter("load_errors", "Adapter load failures by kind", ("kind",))
         self.bytes = counter("load_bytes", "Bytes of adapter weights loaded", ("source",))
-        self.seconds = Histogram("loraplex_adapter_load_seconds", description="Adapter load latency",
-                                 boundaries=_LATENCY_BOUNDS_S, tag_keys=("source",))
-        self.sizes = Histogram("loraplex_adapter_load_size_bytes", description="Size of each adapter load",
-                               boundaries=_BYTES_BOUNDS, tag_keys=("source",))
-        self.tier = Gauge("loraplex_adapter_tier", description="Per cache tier: resident adapters, bytes, budget",
-                          tag_keys=("tier", "quantity"))
+        self.seconds = Histogram(
+            "loraplex_adapter_load_seconds",
+            description="Adapter load latency",
+            boundaries=_LATENCY_BOUNDS_S,
+            tag_keys=("source",),
+        )
+        self.sizes = Histogram(
+            "loraplex_adapter_load_size_bytes",
+            description="Size of each adapter load",
+            boundaries=_BYTES_BOUNDS,
+            tag_keys=("source",),
+        )
+        self.tier = Gauge(
+            "loraplex_adapter_tier",
+            description="Per cache tier: resident adapters, bytes, budget",
+            tag_keys=("tier", "quantity"),
+        )
 
 
 class StoreMetrics:
@@ -116,5 +128,11 @@ class Progress:
         if now - self._last >= self.every_s:
             self._last = now
             rate = self.done / max(now - self.start, 1e-9) / 1e6
-            log.info("downloading %s: %.1f / %.1f MB (%.0f%%, %.1f MB/s)", self.what, self.done / 1e6,
-                     self.total / 1e6, 100 * self.done / max(self.total, 1), rate)
+            log.info(
+                "downloading %s: %.1f / %.1f MB (%.0f%%, %.1f MB/s)",
+                self.what,
+                self.done / 1e6,
+                self.total / 1e6,
+                100 * self.done / max(self.total, 1),
+                rate,
+            )

@@ -7,6 +7,7 @@ like ``a--b``, which would let ``a--b/c`` and ``a/b--c`` collide), and ``@`` is
 not allowed in segments, so a version directory can never be some other
 adapter's prefix.
 """
+
 from __future__ import annotations
 
 import os

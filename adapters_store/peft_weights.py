@@ -1,5 +1,6 @@
 """PEFT ``adapter_model.safetensors`` → per-(layer, module) LoRA matrices, validated
 against the base model's shapes. Pickled ``.bin`` files are never opened."""
+
 from __future__ import annotations
 
 import hashlib
@@ -128,8 +129,11 @@ def parse_weights(name: str, manifest: AdapterManifest, blob: bytes, shape: Mode
         stray = {m for _, m in pairs} - set(manifest.target_modules)
         if stray:
             raise InvalidAdapterError(f"weights for {sorted(stray)} not listed in target_modules")
-    tensors = dict(part for where, pair in pairs.items()
-                   for part in _split(where, *_check_pair(where, pair, manifest.rank, shape), shape))
+    tensors = dict(
+        part
+        for where, pair in pairs.items()
+        for part in _split(where, *_check_pair(where, pair, manifest.rank, shape), shape)
+    )
     return LoraWeights(name, hashlib.sha256(blob).hexdigest(), manifest, tensors)
 
 

@@ -7,6 +7,7 @@ what a server must bound is set here: connect/read timeouts, boto3's 'standard'
 retry mode (5xx, throttling, connection errors, with backoff), and a deadline
 for a whole download, so that a server trickling bytes cannot hold a load forever.
 """
+
 from __future__ import annotations
 
 import re
@@ -35,8 +36,16 @@ from adapters_store.sources import (
 )
 
 _NOT_FOUND = {"404", "NoSuchKey", "NoSuchBucket", "NotFound"}
-_THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-              "TooManyRequestsException", "RequestThrottled", "503"}
+_THROTTLED = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+    "TooManyRequestsException",
+    "RequestThrottled",
+    "503",
+}
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")  # multipart ETags end in "-<parts>" and are no MD5
 
 
@@ -59,10 +68,17 @@ def make_client(cfg: S3Config):
     from botocore.config import Config
 
     session = boto3.session.Session(profile_name=cfg.profile)
-    return session.client("s3", region_name=cfg.region, endpoint_url=cfg.endpoint_url, config=Config(
-        connect_timeout=cfg.connect_timeout_s, read_timeout=cfg.read_timeout_s,
-        retries={"mode": "standard", "total_max_attempts": cfg.max_attempts},
-        max_pool_connections=cfg.max_pool_connections))
+    return session.client(
+        "s3",
+        region_name=cfg.region,
+        endpoint_url=cfg.endpoint_url,
+        config=Config(
+            connect_timeout=cfg.connect_timeout_s,
+            read_timeout=cfg.read_timeout_s,
+            retries={"mode": "standard", "total_max_attempts": cfg.max_attempts},
+            max_pool_connections=cfg.max_pool_connections,
+        ),
+    )
 
 
 def fetch_error(exc: Exception, what: str) -> Exception:
@@ -169,8 +185,9 @@ class S3Source:
 
     def _head(self, filename: str) -> ObjectInfo:
         try:
-            return object_info(self.client.head_object(Bucket=self.loc.bucket, Key=self.loc.key(filename),
-                                                       ChecksumMode="ENABLED"))
+            return object_info(
+                self.client.head_object(Bucket=self.loc.bucket, Key=self.loc.key(filename), ChecksumMode="ENABLED")
+            )
         except client_errors() as exc:
             err = fetch_error(exc, self._what(filename))
         if isinstance(err, AdapterNotFoundError):

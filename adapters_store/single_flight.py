@@ -3,6 +3,7 @@
 Each caller gets its own Future following the shared one, so a caller that
 cancels (an aborted HTTP request) cancels only its wait, never the load.
 """
+
 from __future__ import annotations
 
 import threading

@@ -6,6 +6,7 @@ exact content), then reads the weights for that snapshot and nothing else.
 - S3Source (adapters_store/s3_source.py): ``s3://bucket/prefix/name/``; version
   from the objects' ETag / VersionId, weights through the verified disk cache.
 """
+
 from __future__ import annotations
 
 import base64

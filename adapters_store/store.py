@@ -12,6 +12,7 @@ first use (the on-demand source, ``adapter_source`` in serve_config.yaml). Unkno
 and invalid adapters are remembered for ``miss_ttl_s`` (no request storms on S3);
 transient source failures (AdapterFetchError) are not, so the next request retries.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,12 +62,16 @@ class StoreConfig:
 
 def check_budgets(shape: ModelShape, config: StoreConfig) -> None:
     """Refuse, by name, a host or disk budget that cannot hold one adapter of the largest rank."""
-    for what, budget, dtype in (("adapter_cache.host_gb", config.host.budget_bytes, config.host.dtype),
-                                ("adapter_cache.disk_gb", config.disk.budget_bytes, torch.float32)):  # files: fp32
+    for what, budget, dtype in (
+        ("adapter_cache.host_gb", config.host.budget_bytes, config.host.dtype),
+        ("adapter_cache.disk_gb", config.disk.budget_bytes, torch.float32),
+    ):  # files: fp32
         largest = adapter_bytes(shape, config.max_rank, dtype)
         if budget < largest:
-            raise ValueError(f"{what} ({budget} bytes) holds no adapter: one of rank {config.max_rank} on "
-                             f"every module takes {largest} bytes")
+            raise ValueError(
+                f"{what} ({budget} bytes) holds no adapter: one of rank {config.max_rank} on "
+                f"every module takes {largest} bytes"
+            )
 
 
 def _done(result=None, error: BaseException | None = None) -> Future:
@@ -79,8 +84,13 @@ def _done(result=None, error: BaseException | None = None) -> Future:
 
 
 class AdapterStore:
-    def __init__(self, shape: ModelShape, config: StoreConfig = StoreConfig(), s3_client=None,
-                 metrics: StoreMetrics | None = None):
+    def __init__(
+        self,
+        shape: ModelShape,
+        config: StoreConfig = StoreConfig(),
+        s3_client=None,
+        metrics: StoreMetrics | None = None,
+    ):
         """s3_client: a boto3 S3 client (default: made from config.s3 on first S3 use)."""
         self.shape, self.config = shape, config
         self.metrics = metrics or StoreMetrics()
@@ -153,35 +163,62 @@ class AdapterStore:
             return await asyncio.wrap_future(self.prefetch(name))
 
     def stats(self) -> dict:
-        return {"registered": len(self._uris), "host_entries": len(self.host), "host_bytes": self.host.nbytes,
-                "disk_bytes": self._disk.nbytes if self._disk else 0, "loading": self._flights.running(),
-                **self.metrics.snapshot()}
+        return {
+            "registered": len(self._uris),
+            "host_entries": len(self.host),
+            "host_bytes": self.host.nbytes,
+            "disk_bytes": self._disk.nbytes if self._disk else 0,
+            "loading": self._flights.running(),
+            **self.metrics.snapshot(),
+        }
 
     def tiers(self, pool=None) -> dict:
         """Per tier (gpu when a LoraPool is given, host, disk): resident adapters, bytes, budget,
         hits / misses / loads / evictions; and the load-seconds histogram by source."""
         counts, disk = self.metrics.snapshot(), self._disk
         tier = lambda t: {e: int(counts.get(f"{t}.{e}", 0)) for e in ("hit", "miss", "eviction")}  # noqa: E731
-        out = {"host": {"resident": len(self.host), "bytes": self.host.nbytes,
-                        "budget_bytes": self.config.host.budget_bytes, "load": int(counts.get("load.disk", 0)
-                        + counts.get("load.s3", 0) + counts.get("load.local", 0)), **tier("host")},
-               "disk": {"resident": len(disk) if disk else 0, "bytes": disk.nbytes if disk else 0,
-                        "budget_bytes": self.config.disk.budget_bytes, "load": int(counts.get("load.s3", 0)),
-                        **tier("disk")}}
+        out = {
+            "host": {
+                "resident": len(self.host),
+                "bytes": self.host.nbytes,
+                "budget_bytes": self.config.host.budget_bytes,
+                "load": int(counts.get("load.disk", 0) + counts.get("load.s3", 0) + counts.get("load.local", 0)),
+                **tier("host"),
+            },
+            "disk": {
+                "resident": len(disk) if disk else 0,
+                "bytes": disk.nbytes if disk else 0,
+                "budget_bytes": self.config.disk.budget_bytes,
+                "load": int(counts.get("load.s3", 0)),
+                **tier("disk"),
+            },
+        }
         if pool is not None:
-            out["gpu"] = {"resident": len(pool.resident()), "pinned": pool.pinned(), "slots": pool.config.num_slots,
-                          "bytes": len(pool.resident()) * pool.slot_bytes,
-                          "budget_bytes": pool.config.num_slots * pool.slot_bytes, "hit": pool.hits,
-                          "miss": pool.misses, "load": pool.loads, "eviction": pool.evictions}
+            out["gpu"] = {
+                "resident": len(pool.resident()),
+                "pinned": pool.pinned(),
+                "slots": pool.config.num_slots,
+                "bytes": len(pool.resident()) * pool.slot_bytes,
+                "budget_bytes": pool.config.num_slots * pool.slot_bytes,
+                "hit": pool.hits,
+                "miss": pool.misses,
+                "load": pool.loads,
+                "eviction": pool.evictions,
+            }
         self.metrics.publish(out)
         return {**out, "load_seconds": self.metrics.histograms()}
 
     def describe(self) -> dict:
         """The store's configuration as it runs: source and each tier's budget."""
         c = self.config
-        return {"source": c.default_root, "host_budget_bytes": c.host.budget_bytes,
-                "disk_budget_bytes": c.disk.budget_bytes, "disk_dir": str(c.disk.root), "miss_ttl_s": c.miss_ttl_s,
-                "max_rank": c.max_rank}
+        return {
+            "source": c.default_root,
+            "host_budget_bytes": c.host.budget_bytes,
+            "disk_budget_bytes": c.disk.budget_bytes,
+            "disk_dir": str(c.disk.root),
+            "miss_ttl_s": c.miss_ttl_s,
+            "max_rank": c.max_rank,
+        }
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

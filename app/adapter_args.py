@@ -5,6 +5,7 @@ pinned where CUDA is), then verified local copies of S3 objects on disk. A budge
 left out is sized from the machine that parses the config (`serve run`'s); one that
 cannot fit there, or holds no adapter of `max_lora_rank`, is refused by name.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,14 +66,25 @@ def store_config(cache: AdapterCacheArgs, source: str | None, max_rank: int) -> 
     memory = _memory_bytes()
     host = int(cache.host_gb * _GIB) if cache.host_gb else min(HOST_DEFAULT_MAX, memory // 8)
     if host > memory // 2:
-        raise ValueError(f"adapter_cache.host_gb: {host / _GIB:.1f} GiB is more than half of this machine's "
-                         f"{memory / _GIB:.1f} GiB of memory")
-    disk_cfg = DiskCacheConfig() if cache.disk_dir is None else DiskCacheConfig(Path(cache.disk_dir).expanduser().absolute())
+        raise ValueError(
+            f"adapter_cache.host_gb: {host / _GIB:.1f} GiB is more than half of this machine's "
+            f"{memory / _GIB:.1f} GiB of memory"
+        )
+    disk_cfg = (
+        DiskCacheConfig() if cache.disk_dir is None else DiskCacheConfig(Path(cache.disk_dir).expanduser().absolute())
+    )
     usage = shutil.disk_usage(_existing(disk_cfg.root))
     disk = int(cache.disk_gb * _GIB) if cache.disk_gb else min(DISK_DEFAULT_MAX, usage.free // 4)
     if disk > usage.total:
-        raise ValueError(f"adapter_cache.disk_gb: {disk / _GIB:.1f} GiB is more than the "
-                         f"{usage.total / _GIB:.1f} GiB disk holding {str(disk_cfg.root)!r}")
-    return StoreConfig(max_rank=max_rank, host=HostCacheConfig(budget_bytes=host),
-                       disk=replace(disk_cfg, budget_bytes=disk), miss_ttl_s=cache.miss_ttl_s,
-                       workers=cache.workers, default_root=source_uri(source))
+        raise ValueError(
+            f"adapter_cache.disk_gb: {disk / _GIB:.1f} GiB is more than the "
+            f"{usage.total / _GIB:.1f} GiB disk holding {str(disk_cfg.root)!r}"
+        )
+    return StoreConfig(
+        max_rank=max_rank,
+        host=HostCacheConfig(budget_bytes=host),
+        disk=replace(disk_cfg, budget_bytes=disk),
+        miss_ttl_s=cache.miss_ttl_s,
+        workers=cache.workers,
+        default_root=source_uri(source),
+    )

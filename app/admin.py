@@ -10,6 +10,7 @@ A registration must lie inside one of `adapter_roots`: a local path is resolved 
 under a root; what is registered is that resolved path. Every local path that fails this
 (outside the roots, missing, a file, unreadable) gets the same answer, so the route tells
 a caller nothing about the server's filesystem."""
+
 from __future__ import annotations
 
 import os
@@ -29,11 +30,14 @@ OUTSIDE_ROOTS = "path: not an adapter directory inside the server's adapter_root
 class RegisterAdapter(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     name: str = Field(pattern=NAME.pattern)
-    path: str = Field(min_length=1, max_length=_MAX_PATH)  # a PEFT directory on the replicas' machines, or s3://bucket/prefix/
+    path: str = Field(
+        min_length=1, max_length=_MAX_PATH
+    )  # a PEFT directory on the replicas' machines, or s3://bucket/prefix/
 
 
 class LoadLoraAdapter(BaseModel):
     """vLLM's load body. load_inplace: replace an adapter registered under that name (else a 400)."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
     lora_name: str = Field(pattern=NAME.pattern)
     lora_path: str = Field(min_length=1, max_length=_MAX_PATH)
@@ -42,6 +46,7 @@ class LoadLoraAdapter(BaseModel):
 
 class UnloadLoraAdapter(BaseModel):
     """vLLM's unload body; lora_int_id is accepted and unused: names identify adapters (vLLM, too, unloads by name)."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
@@ -62,8 +67,7 @@ def check_path(path: str, roots: tuple[str, ...]) -> str:
     """The adapter's location as registered (a local path resolved), if inside one of roots;
     else InvalidAdapterError(OUTSIDE_ROOTS), whatever the reason."""
     if path.startswith("s3://"):
-        if not any(path.startswith(r if r.endswith("/") else r + "/") for r in roots
-                   if r.startswith("s3://")):
+        if not any(path.startswith(r if r.endswith("/") else r + "/") for r in roots if r.startswith("s3://")):
             raise _outside()
         return path
     if "\0" in path or not os.path.isabs(path):  # replicas run elsewhere: no working directory to be relative to
@@ -100,7 +104,9 @@ class AdapterAdmin:
         except Exception as exc:  # a RayTaskError: its str() is the replica's traceback, never shown
             cause = loraplex_cause(exc)
             if cause is None and isinstance(getattr(exc, "cause", None), OSError):  # unreadable, not a bug
-                raise _outside() if local else InvalidAdapterError(f"cannot read the adapter: {exc.cause.strerror}") from None
+                raise (
+                    _outside() if local else InvalidAdapterError(f"cannot read the adapter: {exc.cause.strerror}")
+                ) from None
             if cause is None:
                 raise
             if isinstance(cause, AdapterNotFoundError):  # gone since the check, or no S3 object: a 400 here

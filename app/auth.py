@@ -7,6 +7,7 @@ loopback address (a machine of your own), and are closed when API keys exist.
 A key asking for an adapter outside its allow-list is told the adapter does not
 exist (the same 404 as an unknown one), so tenants cannot probe each other.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -61,9 +62,11 @@ def serve_bind_host() -> str | None:
 def check_bind(host: str | None, admin_key: str | None) -> None:
     """A server reachable from other machines must not leave the admin routes open."""
     if host is not None and not admin_key and not is_loopback(host):
-        raise ConfigError(f"http_options.host is {host!r}, not a loopback address, and args.admin_key is not set: "
-                          "set admin_key (the admin routes register adapters from the server's disks) "
-                          "or bind 127.0.0.1")
+        raise ConfigError(
+            f"http_options.host is {host!r}, not a loopback address, and args.admin_key is not set: "
+            "set admin_key (the admin routes register adapters from the server's disks) "
+            "or bind 127.0.0.1"
+        )
 
 
 def _bearer(header: str | None) -> str | None:

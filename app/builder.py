@@ -5,6 +5,7 @@ both reading AdapterRegistry. Replica count / autoscaling and Ray actor options
 come from `args.replica` / `args.ingress` (a `deployments:` section in the YAML
 still overrides them, as Serve does for any app).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -36,9 +37,12 @@ def app_from_args(args: dict | None, engine_factory: Callable = build_async_engi
     adapters = tuple(scan(settings.adapter_dirs))
     registry = AdapterRegistry.bind(list(adapters), settings.registry_path, settings.adapter_store.default_root)
     replica = LoraReplica.options(**settings.replica_options).bind(
-        ReplicaSettings(settings.model, settings.engine, adapters, _single_replica(settings.replica_options),
-                        settings.adapter_store),
-        registry, engine_factory)
+        ReplicaSettings(
+            settings.model, settings.engine, adapters, _single_replica(settings.replica_options), settings.adapter_store
+        ),
+        registry,
+        engine_factory,
+    )
     return Ingress.options(**settings.ingress_options).bind(settings, replica, registry)
 
 

@@ -8,6 +8,7 @@ never touch the others, and every choice ends exactly once.
 ``_SharedCall`` reads the one replica stream and hands each choice its items (``Accepted`` and a
 rejection to all); the call is cancelled, aborting what still runs there, once every choice has
 ended or left it. ``Choices.chunks()`` interleaves the choices' streams as their items come."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,6 +47,7 @@ class _SharedCall:
                 first.clear()
                 return _View(self, index)
             return self.submit(request)
+
         return submit
 
     def start(self) -> None:
@@ -107,8 +109,10 @@ class Choices:
     async def open(cls, submit: Callable, request: GenerateRequest, policy: MigrationPolicy) -> Choices:
         """Validation errors raise here (once the replica rejected the request), before any HTTP response."""
         shared = _SharedCall(submit, request)
-        streams = [ResubmittingStream(shared.submitter(request.index + j), _alone(request, j), policy)
-                   for j in range(request.n)]
+        streams = [
+            ResubmittingStream(shared.submitter(request.index + j), _alone(request, j), policy)
+            for j in range(request.n)
+        ]
         opened = await asyncio.gather(*(s.start() for s in streams), return_exceptions=True)
         failed = [e for e in opened if isinstance(e, BaseException)]
         if failed:

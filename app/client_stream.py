@@ -22,6 +22,7 @@ The router tells this module which replicas left through ``cluster.router.on_rep
 Leaving the relay early (client gone, error) cancels the replica call, which aborts the
 request in the engine and frees its KV blocks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -141,22 +142,36 @@ class ResubmittingStream:
         self.moves.append((reason, len(self.token_ids)))
         _migrations.inc(tags={"reason": reason})
         if len(self.moves) > self.policy.max_migrations:
-            return ErrorChunk(self.request.request_id, f"the request was moved between replicas {len(self.moves) - 1} "
-                              f"times (limit max_migrations) without finishing: no replica has room for it", 503,
-                              self.request.index)
-        log.info("moving %s off %s (%s) after %d tokens", self.request.request_id, self.replica, reason,
-                 len(self.token_ids))
+            return ErrorChunk(
+                self.request.request_id,
+                f"the request was moved between replicas {len(self.moves) - 1} "
+                f"times (limit max_migrations) without finishing: no replica has room for it",
+                503,
+                self.request.index,
+            )
+        log.info(
+            "moving %s off %s (%s) after %d tokens", self.request.request_id, self.replica, reason, len(self.token_ids)
+        )
         resumed = dataclasses.replace(
-            self.request, resume_token_ids=tuple(self.token_ids), resume_text_chars=self.text_chars,
-            avoid_replicas=self.failed, migrated_from=self.replica)
+            self.request,
+            resume_token_ids=tuple(self.token_ids),
+            resume_text_chars=self.text_chars,
+            avoid_replicas=self.failed,
+            migrated_from=self.replica,
+        )
         try:
             return await self._connect(resumed, wait_s=self.policy.failover_wait_s)
         except TimeoutError:
-            return ErrorChunk(self.request.request_id, f"no replica took the request within "
-                              f"{self.policy.failover_wait_s:g} s after its replica stopped", 503, self.request.index)
+            return ErrorChunk(
+                self.request.request_id,
+                f"no replica took the request within {self.policy.failover_wait_s:g} s after its replica stopped",
+                503,
+                self.request.index,
+            )
         except (LoraplexError, BackPressureError) as exc:
-            return ErrorChunk(self.request.request_id, f"the request could not be resumed: {exc}", 503,
-                              self.request.index)
+            return ErrorChunk(
+                self.request.request_id, f"the request could not be resumed: {exc}", 503, self.request.index
+            )
 
     async def _connect(self, request: GenerateRequest, wait_s: float | None):
         """Submit; wait (bounded by wait_s) for a replica to accept; return its first item."""
@@ -205,8 +220,9 @@ class ResubmittingStream:
             self._step = None
 
     def _failed(self, exc: BaseException) -> Migrate:
-        log.warning("replica %s failed under %s (%s): failing over", self.replica, self.request.request_id,
-                    type(exc).__name__)
+        log.warning(
+            "replica %s failed under %s (%s): failing over", self.replica, self.request.request_id, type(exc).__name__
+        )
         if self.replica is not None:
             self.failed += (self.replica,)
         return Migrate(self.request.request_id, (), (), 0, "failover")
@@ -223,6 +239,7 @@ class ResubmittingStream:
 
 
 # -- relay to the HTTP client ------------------------------------------------------------
+
 
 def _failure(chunk) -> tuple[str, int] | None:
     if isinstance(chunk, ErrorChunk):

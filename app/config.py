@@ -4,6 +4,7 @@ Pydantic lives only here, at the YAML boundary: `parse_args` turns the raw
 dict into frozen dataclasses the deployments use, or raises ConfigError whose
 message names every offending field.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -89,7 +90,9 @@ class AppArgs(_Strict):
     tensor_parallel_size: int = Field(1, ge=1)  # GPUs one replica's model is sharded over
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start-up (false: eager, for debugging)
     prefix_caching: bool = True  # share full KV blocks of equal (adapter version, token prefix) across requests
-    prefix_cache_max_blocks: int | None = Field(None, ge=0)  # unreferenced cached blocks kept at most; None: any free block
+    prefix_cache_max_blocks: int | None = Field(
+        None, ge=0
+    )  # unreferenced cached blocks kept at most; None: any free block
     adapter_dirs: list[str] = []
     adapter_roots: list[str] | None = None  # where registrations may point; None: adapter_dirs and s3://
     replica: DeploymentArgs = DeploymentArgs()
@@ -98,7 +101,9 @@ class AppArgs(_Strict):
     api_keys: list[ApiKeyArgs] = []
     admin_key: str | None = Field(None, min_length=8)
     max_body_bytes: int = Field(4 * 2**20, ge=1024)  # a larger request body is refused with a 413
-    registry_path: str | None = Field(None, min_length=1)  # local file or s3://bucket/key: runtime registrations persist
+    registry_path: str | None = Field(
+        None, min_length=1
+    )  # local file or s3://bucket/key: runtime registrations persist
     adapter_source: str | None = Field(None, min_length=1)  # s3://bucket/prefix/ or a directory: names load on demand
     adapter_cache: AdapterCacheArgs = AdapterCacheArgs()  # host / disk tiers' budgets (app/adapter_args.py)
     # how the model writes tool calls (vLLM's --tool-call-parser); auto: from its chat template, else its family
@@ -150,8 +155,10 @@ def _describe(error: ValidationError) -> str:
 # (20 s) cut streams that an Ingress or LoraReplica being replaced was still serving.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 600.0
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 1.0
-_GRACEFUL = {"graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
-             "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
+_GRACEFUL = {
+    "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
+    "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
+}
 
 
 def _adapter_roots(roots: list[str] | None, dirs: tuple[str, ...], source: str | None) -> tuple[str, ...]:
@@ -188,11 +195,15 @@ def cluster_options(c: ClusterArgs, engine: EngineConfig) -> dict:
     """The consolidating router (cluster/router.py) and its queue bound, as Serve options."""
     router = {
         "request_router_class": "cluster.router:ConsolidatingRouter",
-        "request_router_kwargs": {"reserve_blocks": c.reserve_kv_blocks, "max_batch": engine.max_num_seqs,
-                                  "block_size": engine.block_size},
+        "request_router_kwargs": {
+            "reserve_blocks": c.reserve_kv_blocks,
+            "max_batch": engine.max_num_seqs,
+            "block_size": engine.block_size,
+        },
         "request_routing_stats_period_s": c.routing_stats_period_s,
         # a request waiting for room is retried at least this often
-        "initial_backoff_s": 0.01, "max_backoff_s": 0.05,
+        "initial_backoff_s": 0.01,
+        "max_backoff_s": 0.05,
     }
     if c.router == "power_of_two":
         router = {"request_routing_stats_period_s": c.routing_stats_period_s}
@@ -228,11 +239,20 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         raise ConfigError(_describe(exc)) from None
     _check_model(a.model)
     engine = EngineConfig(
-        max_num_seqs=a.max_batch_size, max_tokens_per_step=a.max_tokens_per_step, num_kv_blocks=a.num_kv_blocks,
-        block_size=a.block_size, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank, dtype=_DTYPES[a.dtype],
+        max_num_seqs=a.max_batch_size,
+        max_tokens_per_step=a.max_tokens_per_step,
+        num_kv_blocks=a.num_kv_blocks,
+        block_size=a.block_size,
+        max_loras=a.max_loras,
+        max_lora_rank=a.max_lora_rank,
+        dtype=_DTYPES[a.dtype],
         lora_memory_bytes=None if a.lora_memory_gb is None else int(a.lora_memory_gb * 2**30),
-        device=a.device, max_model_len=a.max_model_len, tensor_parallel_size=a.tensor_parallel_size,
-        cuda_graphs=a.cuda_graphs, prefix_caching=a.prefix_caching, prefix_cache_max_blocks=a.prefix_cache_max_blocks,
+        device=a.device,
+        max_model_len=a.max_model_len,
+        tensor_parallel_size=a.tensor_parallel_size,
+        cuda_graphs=a.cuda_graphs,
+        prefix_caching=a.prefix_caching,
+        prefix_cache_max_blocks=a.prefix_cache_max_blocks,
     )
     try:
         adapter_store = store_config(a.adapter_cache, a.adapter_source, a.max_lora_rank)
@@ -242,14 +262,22 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
     dirs = _adapter_dirs(a.adapter_dirs)
     keys = tuple(ApiKey(k.key, frozenset(k.adapters) if k.adapters is not None else None) for k in a.api_keys)
     return Settings(
-        model=a.model, model_name=name, engine=engine, adapter_dirs=dirs, api_keys=keys,
+        model=a.model,
+        model_name=name,
+        engine=engine,
+        adapter_dirs=dirs,
+        api_keys=keys,
         admin_key=a.admin_key,
         # The engine batches many requests: Serve's default of 5 in flight per replica would starve it.
-        replica_options=tensor_parallel_options(_replica_options(a.replica, 4 * a.max_batch_size, a.cluster, engine),
-                                                a.tensor_parallel_size, a.device),
+        replica_options=tensor_parallel_options(
+            _replica_options(a.replica, 4 * a.max_batch_size, a.cluster, engine), a.tensor_parallel_size, a.device
+        ),
         ingress_options=a.ingress.options(num_replicas=1, max_ongoing_requests=1024, **_GRACEFUL),
-        max_body_bytes=a.max_body_bytes, registry_path=a.registry_path,
-        max_migrations=a.cluster.max_migrations, failover_wait_s=a.cluster.failover_wait_s,
+        max_body_bytes=a.max_body_bytes,
+        registry_path=a.registry_path,
+        max_migrations=a.cluster.max_migrations,
+        failover_wait_s=a.cluster.failover_wait_s,
         adapter_roots=_adapter_roots(a.adapter_roots, dirs, a.adapter_source),
-        adapter_store=adapter_store, tool_parser=a.tool_parser,
+        adapter_store=adapter_store,
+        tool_parser=a.tool_parser,
     )

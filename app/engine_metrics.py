@@ -19,6 +19,7 @@ adds Ray's ``ray_`` prefix, and ``_total`` / ``_bucket`` suffixes):
   loraplex_engine_requests_finished{finish_reason}            counter
   loraplex_engine_requests{adapter}                           counter; bounded labels, see AdapterLabels
 """
+
 from __future__ import annotations
 
 import logging
@@ -78,30 +79,47 @@ class EngineMetrics:
         self.waiting = Gauge(name("requests_waiting"), description="Requests queued in the engine for room")
         self.kv_used = Gauge(name("kv_blocks_used"), description="KV cache blocks in use")
         self.kv_total = Gauge(name("kv_blocks_total"), description="KV cache blocks of this replica")
-        self.kv_free = Gauge(name("kv_blocks_free"), description="KV blocks free to allocate (cached unreferenced included)")
+        self.kv_free = Gauge(
+            name("kv_blocks_free"), description="KV blocks free to allocate (cached unreferenced included)"
+        )
         self.kv_cached = Gauge(name("kv_blocks_cached"), description="KV blocks holding a cached prefix")
         self.prefix = {  # engine stats key → counter; the engine's totals are cumulative
-            "prefix_hit_tokens": RayCounter(name("prefix_cache_hit_tokens"), tag_keys=("adapter",),
-                                            description="Prompt tokens whose KV came from the prefix cache"),
-            "prefix_query_tokens": RayCounter(name("prefix_cache_query_tokens"), tag_keys=("adapter",),
-                                              description="Prompt tokens of requests looked up in the prefix cache"),
+            "prefix_hit_tokens": RayCounter(
+                name("prefix_cache_hit_tokens"),
+                tag_keys=("adapter",),
+                description="Prompt tokens whose KV came from the prefix cache",
+            ),
+            "prefix_query_tokens": RayCounter(
+                name("prefix_cache_query_tokens"),
+                tag_keys=("adapter",),
+                description="Prompt tokens of requests looked up in the prefix cache",
+            ),
         }
         self._prefix_seen: dict[str, Counter] = {key: Counter() for key in self.prefix}
-        self.batch = Histogram(name("batch_size"), description="Requests in each forward pass", boundaries=_BATCH_BOUNDS)
+        self.batch = Histogram(
+            name("batch_size"), description="Requests in each forward pass", boundaries=_BATCH_BOUNDS
+        )
         self.step = Histogram(name("step_seconds"), description="Time of one engine step", boundaries=_STEP_BOUNDS_S)
-        self.ttft = Histogram(name("time_to_first_token_seconds"), boundaries=_TTFT_BOUNDS_S,
-                              description="Arrival at the replica to the first token")
-        self.tpot = Histogram(name("time_per_output_token_seconds"), boundaries=_TPOT_BOUNDS_S,
-                              description="Time between two tokens of one request")
+        self.ttft = Histogram(
+            name("time_to_first_token_seconds"),
+            boundaries=_TTFT_BOUNDS_S,
+            description="Arrival at the replica to the first token",
+        )
+        self.tpot = Histogram(
+            name("time_per_output_token_seconds"),
+            boundaries=_TPOT_BOUNDS_S,
+            description="Time between two tokens of one request",
+        )
         self.prompt_tokens = RayCounter(name("prompt_tokens"), description="Prompt tokens of requests received")
         self.generation_tokens = RayCounter(name("generation_tokens"), description="Tokens generated")
         self.preemptions = RayCounter(name("preemptions"), description="Requests evicted because KV ran out")
-        self.migrations = RayCounter(name("migrations"), description="Requests that left unfinished",
-                                     tag_keys=("reason",))
-        self.finished = RayCounter(name("requests_finished"), description="Requests ended here",
-                                   tag_keys=("finish_reason",))
-        self.requests = RayCounter(name("requests"), description="Requests received, by adapter",
-                                   tag_keys=("adapter",))
+        self.migrations = RayCounter(
+            name("migrations"), description="Requests that left unfinished", tag_keys=("reason",)
+        )
+        self.finished = RayCounter(
+            name("requests_finished"), description="Requests ended here", tag_keys=("finish_reason",)
+        )
+        self.requests = RayCounter(name("requests"), description="Requests received, by adapter", tag_keys=("adapter",))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-metrics", daemon=True)
 
@@ -139,12 +157,19 @@ class EngineMetrics:
                     seen[adapter] = total
 
     def _publish(self, b: TelemetryBatch) -> None:
-        for hist, values in ((self.batch, b.batch_sizes), (self.step, b.step_seconds),
-                             (self.ttft, b.ttft_seconds), (self.tpot, b.tpot_seconds)):
+        for hist, values in (
+            (self.batch, b.batch_sizes),
+            (self.step, b.step_seconds),
+            (self.ttft, b.ttft_seconds),
+            (self.tpot, b.tpot_seconds),
+        ):
             for v in values:
                 hist.observe(v)
-        for counter, n in ((self.prompt_tokens, b.prompt_tokens), (self.generation_tokens, b.generation_tokens),
-                           (self.preemptions, b.preemptions)):
+        for counter, n in (
+            (self.prompt_tokens, b.prompt_tokens),
+            (self.generation_tokens, b.generation_tokens),
+            (self.preemptions, b.preemptions),
+        ):
             if n:
                 counter.inc(n)
         for reason, n in b.migrations.items():

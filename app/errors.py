@@ -1,5 +1,6 @@
 """The serving app's own errors, and the store's re-exported under the names the app
 uses. Each is answered with the status and code app/http_errors.py gives its class."""
+
 from adapters_store.errors import (
     AdapterError,
     AdapterFetchError,
@@ -15,10 +16,24 @@ from adapters_store.errors import (
 )
 
 __all__ = [
-    "LoraplexError", "InvalidRequestError", "ContextLengthError", "BodyTooLargeError", "AuthenticationError",
-    "PermissionDeniedError", "RegistryUnavailableError", "OverloadedError",
-    "AdapterError", "AdapterNotFoundError", "InvalidAdapterError", "AdapterUriError", "UnsafePathError",
-    "AdapterFetchError", "SourceTimeoutError", "SourceResponseError", "SourceChangedError", "UnknownAdapterError",
+    "LoraplexError",
+    "InvalidRequestError",
+    "ContextLengthError",
+    "BodyTooLargeError",
+    "AuthenticationError",
+    "PermissionDeniedError",
+    "RegistryUnavailableError",
+    "OverloadedError",
+    "AdapterError",
+    "AdapterNotFoundError",
+    "InvalidAdapterError",
+    "AdapterUriError",
+    "UnsafePathError",
+    "AdapterFetchError",
+    "SourceTimeoutError",
+    "SourceResponseError",
+    "SourceChangedError",
+    "UnknownAdapterError",
 ]
 
 

@@ -1,7 +1,8 @@
 """Stream a completion from the command line:
 
-    python -m app.generate --adapter pirate "Where is the treasure?"
+python -m app.generate --adapter pirate "Where is the treasure?"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,10 @@ def _args(argv):
     p.add_argument("prompt")
     p.add_argument("--adapter", help="adapter name (default: the base model)")
     p.add_argument("--adapters-dir", type=Path, default=EXAMPLE_ADAPTERS)
-    p.add_argument("--model", help="HF checkpoint directory, .gguf file or s3://bucket/prefix/ (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        help="HF checkpoint directory, .gguf file or s3://bucket/prefix/ (default: embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -54,7 +58,9 @@ def main(argv=None) -> int:
     if a.raw:
         ids = tok(a.prompt)["input_ids"]
     else:
-        ids = tok.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": a.prompt}], add_generation_prompt=True, tokenize=True
+        )
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     engine = AsyncEngine(core)
     try:

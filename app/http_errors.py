@@ -2,6 +2,7 @@
 `{"error": {"message", "type", "param", "code"}}`, with a 4xx for bad input.
 ``ANSWERS`` is the one place an error class gets its HTTP status and code.
 """
+
 from __future__ import annotations
 
 import logging
@@ -130,8 +131,9 @@ def answer(exc: LoraplexError) -> JSONResponse:
     if not isinstance(exc, AdapterError) or name is None:
         return error_response(str(exc), *status_and_code(exc))
     if isinstance(exc, UnknownAdapterError):  # worded as the ingress's own 404: nothing to learn from it
-        return error_response(f"The model `{name}` does not exist or you do not have access to it.", 404,
-                              "model_not_found")
+        return error_response(
+            f"The model `{name}` does not exist or you do not have access to it.", 404, "model_not_found"
+        )
     log.warning("adapter %r is unavailable: %s: %s", name, type(exc).__name__, exc)
     status, code = status_and_code(exc)
     if isinstance(exc, AdapterNotFoundError):  # registered, but its files are gone: the server's fault

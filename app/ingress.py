@@ -6,6 +6,7 @@ chat template, tokenize, and stream the LoraReplica's chunks back (SSE) or colle
 them. Parsing, templating and tokenizing run on a small thread pool (the tokenizer
 releases the GIL), so one large prompt never stalls the event loop's other requests.
 """
+
 # No `from __future__ import annotations` here: Serve's class-based FastAPI views need the
 # real `Request` annotation, not a string, to inject the request.
 import asyncio
@@ -113,8 +114,9 @@ class Ingress:
             raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}") from None
         return body, tok(text, add_special_tokens=False)["input_ids"], plan
 
-    async def _generate(self, body, caller: Caller, ids: list[int], chat: bool, logprobs: int | None,
-                        tools: ToolPlan | None = None):
+    async def _generate(
+        self, body, caller: Caller, ids: list[int], chat: bool, logprobs: int | None, tools: ToolPlan | None = None
+    ):
         adapter, epoch = await self._resolve(body.model, caller)
         default_max = None if chat else _LEGACY_DEFAULT_MAX_TOKENS
         ranked = body.generated > body.n  # best_of ranks choices by their tokens' logprobs
@@ -122,8 +124,9 @@ class Ingress:
         params = body.sampling(len(ids), self.context_limit, default_max, engine_logprobs)
         params = tools.constrain(params) if tools else params
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        request = with_fixed_seed(GenerateRequest(request_id, tuple(ids), params, adapter.name if adapter else None,
-                                                  n=body.generated))
+        request = with_fixed_seed(
+            GenerateRequest(request_id, tuple(ids), params, adapter.name if adapter else None, n=body.generated)
+        )
         submit = replica_submit(self.generate_on_replica, adapter, epoch)
         # validation errors raise here, before any bytes go out; later each choice moves between replicas
         opener = Choices.open if request.n > 1 else ResubmittingStream.open
@@ -177,8 +180,14 @@ class Ingress:
         return self._card(spec.name, self.settings.model_name)
 
     def _card(self, name: str, parent: str | None) -> dict:
-        return {"id": name, "object": "model", "created": self.started, "owned_by": "loraplex",
-                "root": parent or name, "parent": parent}
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "loraplex",
+            "root": parent or name,
+            "parent": parent,
+        }
 
     # -- adapter administration (admin key) ----------------------------------------------
     @api.get("/v1/adapters")
@@ -189,7 +198,9 @@ class Ingress:
     @api.post("/v1/adapters")
     async def register_adapter(self, request: Request):
         self.auth.admin(request.headers.get("authorization"))
-        return await self.admin.register(await http_errors.parse_body(request, RegisterAdapter, self.settings.max_body_bytes))
+        return await self.admin.register(
+            await http_errors.parse_body(request, RegisterAdapter, self.settings.max_body_bytes)
+        )
 
     @api.delete("/v1/adapters/{name}")
     async def unregister_adapter(self, name: str, request: Request):

@@ -7,6 +7,7 @@ as OpenAI-compatible servers do. Structured output (`response_format` json_objec
 json_schema, and vLLM's `guided_json` / `guided_regex` / `guided_choice`) becomes the
 request's Guide; whether the engine can compile it is checked before generation starts.
 """
+
 from __future__ import annotations
 
 import json
@@ -117,17 +118,24 @@ class _Sampling(_Body):
     def _one_guide(self):
         for name in ("guided_grammar", "guided_whitespace_pattern", "structured_outputs"):
             if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported (use response_format, guided_json, guided_regex or "
-                                 "guided_choice)")
+                raise ValueError(
+                    f"{name} is not supported (use response_format, guided_json, guided_regex or guided_choice)"
+                )
         if self.guided_choice is not None and (not self.guided_choice or not all(self.guided_choice)):
             raise ValueError("guided_choice must be a non-empty list of non-empty strings")
         if self.guided_regex == "":
             raise ValueError("guided_regex is empty")
-        given = [self.response_format is not None and self.response_format.type != "text",
-                 self.guided_json is not None, self.guided_regex is not None, self.guided_choice is not None]
+        given = [
+            self.response_format is not None and self.response_format.type != "text",
+            self.guided_json is not None,
+            self.guided_regex is not None,
+            self.guided_choice is not None,
+        ]
         if sum(given) > 1:
-            raise ValueError("give at most one of response_format (json_object / json_schema), guided_json, "
-                             "guided_regex and guided_choice")
+            raise ValueError(
+                "give at most one of response_format (json_object / json_schema), guided_json, "
+                "guided_regex and guided_choice"
+            )
         self.guide()  # guided_json text that is not a JSON object fails here
         return self
 
@@ -180,19 +188,28 @@ class _Sampling(_Body):
     def _requested_max(self) -> int | None:
         return self.max_tokens
 
-    def sampling(self, prompt_len: int, context_limit: int, default_max: int | None,
-                 logprobs: int | None) -> SamplingParams:
+    def sampling(
+        self, prompt_len: int, context_limit: int, default_max: int | None, logprobs: int | None
+    ) -> SamplingParams:
         """default_max None: up to the rest of the context (what chat clients expect)."""
         room = context_limit - prompt_len
         if room < 1:
             raise ContextLengthError(
-                f"the prompt ({prompt_len} tokens) leaves no room in the context ({context_limit} tokens)")
+                f"the prompt ({prompt_len} tokens) leaves no room in the context ({context_limit} tokens)"
+            )
         max_tokens = self._requested_max() or default_max or room
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, min_tokens=min(self.min_tokens, max_tokens), stop=stop, logprobs=logprobs,
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            min_tokens=min(self.min_tokens, max_tokens),
+            stop=stop,
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
             guide=self.guide(),

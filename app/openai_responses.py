@@ -3,6 +3,7 @@ for `/v1/completions` (`text_completion`) and `/v1/chat/completions` (with `tool
 the request's tools were called: app/tool_calls/). A request of n choices answers with n
 choices, each with its `index`; its stream interleaves them, each chunk carrying one choice
 (docs/n_choices.md), and each choice's tool calls are parsed on their own."""
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,11 @@ def best(outputs: list[Output], n: int) -> list[Output]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _call_deltas(calls) -> list[dict]:
@@ -83,8 +87,16 @@ class Formatter:
     """Shapes one request's responses; `chat` selects the chat.completion flavour; `tools` (one
     app.tool_calls OutputParser per choice) turn each answer's tool-call text into `tool_calls`."""
 
-    def __init__(self, request_id: str, model: str, tokenizer, chat: bool, want_logprobs: bool, n: int = 1,
-                 tools: list | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        tokenizer,
+        chat: bool,
+        want_logprobs: bool,
+        n: int = 1,
+        tools: list | None = None,
+    ):
         """n: the choices the client gets; tools: None, or n parsers, the one of choice i at i."""
         self.id, self.model, self.chat, self.want_logprobs, self.n = request_id, model, chat, want_logprobs, n
         if tools is not None and len(tools) != n:
@@ -106,8 +118,10 @@ class Formatter:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     def _chat_logprobs(self, entries) -> dict:
-        content = [{**self._token(e["token_id"], e["logprob"]),
-                    "top_logprobs": [self._token(t, lp) for t, lp in e["top"]]} for e in entries]
+        content = [
+            {**self._token(e["token_id"], e["logprob"]), "top_logprobs": [self._token(t, lp) for t, lp in e["top"]]}
+            for e in entries
+        ]
         return {"content": content, "refusal": None}
 
     def _completion_logprobs(self, entries, index: int) -> dict:
@@ -133,8 +147,9 @@ class Formatter:
         text = "".join(out.text)
         choice = {"index": index, "logprobs": self._logprobs(out.logprobs, index)}
         if self.chat:
-            choice["message"] = self._tool_message(index, out.token_ids, text) if self.tools else \
-                {"role": "assistant", "content": text}
+            choice["message"] = (
+                self._tool_message(index, out.token_ids, text) if self.tools else {"role": "assistant", "content": text}
+            )
         else:
             choice["text"] = text
         choice["finish_reason"] = self._finish(out.finish_reason, index)  # after the message: its calls decide
@@ -154,8 +169,11 @@ class Formatter:
     # -- stream chunks --------------------------------------------------------------
     def first_chunks(self) -> list[dict]:
         """Chat streams open with the assistant role, once per choice (as OpenAI's do)."""
-        return [self._chunk({"role": "assistant", "content": ""}, None, None, i) for i in range(self.n)] \
-            if self.chat else []
+        return (
+            [self._chunk({"role": "assistant", "content": ""}, None, None, i) for i in range(self.n)]
+            if self.chat
+            else []
+        )
 
     def chunk(self, c: TokenChunk) -> dict:
         if self.chat and self.tools:
@@ -174,8 +192,11 @@ class Formatter:
         return {**self._head(stream=True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
     def _chunk(self, delta, entries, finish_reason, index: int) -> dict:
-        choice = {"index": index, "logprobs": self._logprobs(entries, index) if entries is not None else None,
-                  "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "logprobs": self._logprobs(entries, index) if entries is not None else None,
+            "finish_reason": finish_reason,
+        }
         choice["delta" if self.chat else "text"] = delta
         return {**self._head(stream=True), "choices": [choice]}
 

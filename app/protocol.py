@@ -1,4 +1,5 @@
 """What flows between ingress, replica and engine: requests in, chunks out."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,7 @@ from app.errors import InvalidRequestError
 @dataclass(frozen=True)
 class Guide:
     """A constraint on a request's output, compiled by the grammar engine (app/engine/grammar.py)."""
+
     kind: str  # "json_schema" | "json_object" | "regex" | "choice"
     spec: str  # the schema as canonical JSON text (sorted keys), the regex, or a JSON list of the choices
 
@@ -47,8 +49,10 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (0.0 < self.repetition_penalty < math.inf, "repetition_penalty must be > 0 and finite (1 disables it)"),
-            (all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
-             "logit_bias maps token ids >= 0 to biases in [-100, 100]"),
+            (
+                all(t >= 0 and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+                "logit_bias maps token ids >= 0 to biases in [-100, 100]",
+            ),
             (len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias names a token id twice"),
         ]
         for ok, message in checks:
@@ -99,8 +103,9 @@ class GenerateRequest:
         """The request to re-submit after ``migrate``: same id and params, the choice it ended,
         alone, with its seed."""
         params = dataclasses.replace(self.params, seed=migrate.seed)
-        return dataclasses.replace(self, params=params, resume_token_ids=migrate.output_token_ids, n=1,
-                                   index=migrate.index)
+        return dataclasses.replace(
+            self, params=params, resume_token_ids=migrate.output_token_ids, n=1, index=migrate.index
+        )
 
 
 def choice_seed(seed: int, j: int) -> int:
@@ -126,10 +131,19 @@ class TokenChunk:
     def then(self, later: TokenChunk) -> TokenChunk:
         """This chunk followed by ``later`` as one: tokens, text and logprobs concatenated;
         finish reason and usage from ``later``."""
-        logprobs = None if self.logprobs is None and later.logprobs is None else \
-            (self.logprobs or ()) + (later.logprobs or ())
-        return TokenChunk(self.request_id, self.token_ids + later.token_ids, self.text + later.text, logprobs,
-                          later.finish_reason, later.prompt_tokens, later.completion_tokens, later.index)
+        logprobs = (
+            None if self.logprobs is None and later.logprobs is None else (self.logprobs or ()) + (later.logprobs or ())
+        )
+        return TokenChunk(
+            self.request_id,
+            self.token_ids + later.token_ids,
+            self.text + later.text,
+            logprobs,
+            later.finish_reason,
+            later.prompt_tokens,
+            later.completion_tokens,
+            later.index,
+        )
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ is acknowledged and a (re)started registry starts from `adapter_dirs` with the s
 changes on top: names registered at run time come back, unregistered ones stay gone.
 Without it, runtime registrations live in this actor's memory only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,13 +42,18 @@ def scan(dirs) -> list[AdapterSpec]:
     found: dict[str, str] = {}
     for d in dirs:
         found.update(local_adapters(Path(d)))
-    return [AdapterSpec(name, path, 0, LocalSource(Path(path)).snapshot().version) for name, path in sorted(found.items())]
+    return [
+        AdapterSpec(name, path, 0, LocalSource(Path(path)).snapshot().version) for name, path in sorted(found.items())
+    ]
 
 
 # On the head node, beside the proxy and (in the shipped configs) the Ingress: losing a worker never
 # restarts it (its state is in memory unless registry_path is set).
-@serve.deployment(name="AdapterRegistry", num_replicas=1,
-                  ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}})
+@serve.deployment(
+    name="AdapterRegistry",
+    num_replicas=1,
+    ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}},
+)
 class AdapterRegistry:
     def __init__(self, initial: list[AdapterSpec], location: str | None = None, source: str | None = None):
         """location: registry_path (None: in memory only); source: adapter_source (None: registered names only)."""
@@ -78,7 +84,9 @@ class AdapterRegistry:
             try:
                 self._store.save(state)
             except Exception as exc:
-                raise RegistryUnavailableError(f"the adapter registry could not be saved: {type(exc).__name__}") from None
+                raise RegistryUnavailableError(
+                    f"the adapter registry could not be saved: {type(exc).__name__}"
+                ) from None
         self._epoch += 1
         self._added, self._removed = added, removed
 

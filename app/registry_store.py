@@ -6,6 +6,7 @@ file is written next to its target, fsync'ed and renamed over it (``os.replace``
 S3 PUT replaces the object at once by S3's own semantics. The state is JSON (never a
 pickle): ``{"epoch": int, "adapters": {name: {"path", "version"}}, "removed": [name]}``.
 """
+
 from __future__ import annotations
 
 import json

@@ -5,6 +5,7 @@ The ingress streams GenerateRequests in through a DeploymentHandle
 Cancelling that stream (client gone) closes the engine iterator, which aborts
 the request and frees its KV blocks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,8 +42,9 @@ class ReplicaSettings:
 def build_async_engine(settings: ReplicaSettings) -> AsyncEngine:
     from app.engine.factory import build_engine
 
-    core = build_engine(settings.model, settings.engine, {s.name: s.path for s in settings.adapters},
-                        store_config=settings.store)
+    core = build_engine(
+        settings.model, settings.engine, {s.name: s.path for s in settings.adapters}, store_config=settings.store
+    )
     return AsyncEngine(core, migrate_locally=settings.migrate_locally)
 
 
@@ -71,8 +73,9 @@ class LoraReplica:
         # when it came up, as Serve orders replicas for a scale-down (newest first)
         self.started_at = time.time()
 
-    async def generate(self, request: GenerateRequest, adapter: AdapterSpec | None,
-                       epoch: int) -> AsyncIterator[Chunk | LoraplexError]:
+    async def generate(
+        self, request: GenerateRequest, adapter: AdapterSpec | None, epoch: int
+    ) -> AsyncIterator[Chunk | LoraplexError]:
         """Accepted(this replica), then the request's chunks or the LoraplexError that rejected it."""
         self.held += 1  # before the first await: a report taken from now on counts it
         self.arrivals.append((time.time(), arrival_key(request.request_id, len(request.resume_token_ids))))
@@ -80,8 +83,9 @@ class LoraReplica:
             yield Accepted(self.replica_id)
             if self.draining:  # routed here before the router saw the drain: every choice moves on at once
                 for c in map(request.choice, range(request.n)):
-                    yield Migrate(c.request_id, c.prompt_token_ids, c.resume_token_ids, c.params.seed or 0, "draining",
-                                  c.index)
+                    yield Migrate(
+                        c.request_id, c.prompt_token_ids, c.resume_token_ids, c.params.seed or 0, "draining", c.index
+                    )
                 return
             await self._sync(epoch)
             if adapter is not None:
@@ -116,11 +120,21 @@ class LoraReplica:
         held, arrivals = self.held, tuple(key for _, key in self.arrivals)  # taken before the engine's counts
         s = await self.stats()
         return ReplicaStats(
-            running=s["running"], waiting=s["waiting"], max_batch=s["max_batch"], free_kv_blocks=s["free_kv_blocks"],
-            total_kv_blocks=s["total_kv_blocks"], block_size=self.block_size,
-            resident_adapters=tuple(s["resident_adapters"]), draining=self.draining, started_at=self.started_at,
-            reported_at=now, held=held, arrivals=arrivals, arrivals_since=now - ARRIVALS_WINDOW_S,
-            prefix_heads=tuple(s.get("prefix_heads", ())))
+            running=s["running"],
+            waiting=s["waiting"],
+            max_batch=s["max_batch"],
+            free_kv_blocks=s["free_kv_blocks"],
+            total_kv_blocks=s["total_kv_blocks"],
+            block_size=self.block_size,
+            resident_adapters=tuple(s["resident_adapters"]),
+            draining=self.draining,
+            started_at=self.started_at,
+            reported_at=now,
+            held=held,
+            arrivals=arrivals,
+            arrivals_since=now - ARRIVALS_WINDOW_S,
+            prefix_heads=tuple(s.get("prefix_heads", ())),
+        )
 
     async def record_routing_stats(self) -> dict:
         """Serve polls this for the request router (cluster/stats.py, the routing-stats contract)."""
@@ -138,9 +152,13 @@ class LoraReplica:
         `metrics_interval_s`; idle_since is the wall time the last request left (0 while busy)."""
         s = await self.stats()
         return {
-            "running": s["running"], "waiting": s["waiting"], "max_batch": s["max_batch"],
-            "free_kv_blocks": s["free_kv_blocks"], "total_kv_blocks": s["total_kv_blocks"],
-            "idle_since": self.engine.idle_since or 0.0, "draining": float(self.draining),
+            "running": s["running"],
+            "waiting": s["waiting"],
+            "max_batch": s["max_batch"],
+            "free_kv_blocks": s["free_kv_blocks"],
+            "total_kv_blocks": s["total_kv_blocks"],
+            "idle_since": self.engine.idle_since or 0.0,
+            "draining": float(self.draining),
             "started_at": self.started_at,
         }
 

@@ -5,6 +5,7 @@ while 32 other requests decode — against the same burst with the adapters resi
 
     python benchmarks/adapter_load.py [--out benchmarks/results]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,18 @@ RANK, DEV, DTYPE = 16, "cuda", torch.float16
 def llama7b() -> ModelConfig:
     from transformers import LlamaConfig
 
-    return ModelConfig.from_hf(LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                                           num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                                           max_position_embeddings=4096, eos_token_id=None))
+    return ModelConfig.from_hf(
+        LlamaConfig(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=4096,
+            eos_token_id=None,
+        )
+    )
 
 
 def random_weights(cfg: ModelConfig) -> ModelWeights:
@@ -47,17 +57,27 @@ def random_weights(cfg: ModelConfig) -> ModelWeights:
 
     def layer():
         proj = {f: rnd(sum(dims[m][1] for m in mods), dims[mods[0]][0]) for f, (_, mods) in FUSED.items()}
-        return LayerWeights(torch.ones(cfg.hidden_size, device=DEV, dtype=DTYPE),
-                            torch.ones(cfg.hidden_size, device=DEV, dtype=DTYPE), proj)
+        return LayerWeights(
+            torch.ones(cfg.hidden_size, device=DEV, dtype=DTYPE),
+            torch.ones(cfg.hidden_size, device=DEV, dtype=DTYPE),
+            proj,
+        )
 
     embed = rnd(cfg.vocab_size, cfg.hidden_size)
-    return ModelWeights(embed, rnd(cfg.vocab_size, cfg.hidden_size), torch.ones(cfg.hidden_size, device=DEV, dtype=DTYPE),
-                        [layer() for _ in range(cfg.num_layers)])
+    return ModelWeights(
+        embed,
+        rnd(cfg.vocab_size, cfg.hidden_size),
+        torch.ones(cfg.hidden_size, device=DEV, dtype=DTYPE),
+        [layer() for _ in range(cfg.num_layers)],
+    )
 
 
 def random_adapter(cfg: ModelConfig) -> LoraWeights:
-    tensors = {(layer, m): (torch.randn(RANK, d_in) * 0.01, torch.randn(d_out, RANK) * 0.01)
-               for layer in range(cfg.num_layers) for m, (d_in, d_out) in cfg.module_dims.items()}
+    tensors = {
+        (layer, m): (torch.randn(RANK, d_in) * 0.01, torch.randn(d_out, RANK) * 0.01)
+        for layer in range(cfg.num_layers)
+        for m, (d_in, d_out) in cfg.module_dims.items()
+    }
     # the host cache's layout: one pinned buffer per adapter, in the serving dtype
     return pack(LoraWeights("proto", "v0", AdapterManifest(RANK, 32.0, False, None), tensors), pin=True, dtype=DTYPE)
 
@@ -96,9 +116,14 @@ def measure_h2d(cfg, proto) -> dict:
             time.sleep(20e-6)  # yield: the copy is issued from the pool's copier thread
         loads.append(time.perf_counter() - t0)
     load_s = statistics.median(loads[2:])
-    return {"adapter_bytes": nbytes, "host_dtype": str(DTYPE).removeprefix("torch."),
-            "pinned_bw_GBps": round(pinned, 1), "h2d_GBps": round(nbytes / load_s / 1e9, 1),
-            "load_ms": round(load_s * 1e3, 2), "raw_copy_ms": round(statistics.median(times) * 1e3, 2)}
+    return {
+        "adapter_bytes": nbytes,
+        "host_dtype": str(DTYPE).removeprefix("torch."),
+        "pinned_bw_GBps": round(pinned, 1),
+        "h2d_GBps": round(nbytes / load_s / 1e9, 1),
+        "load_ms": round(load_s * 1e3, 2),
+        "raw_copy_ms": round(statistics.median(times) * 1e3, 2),
+    }
 
 
 def _prompt(rng, n=64):
@@ -144,14 +169,28 @@ def main():
     print(json.dumps(h2d), flush=True)
     names = [f"d{i}" for i in range(8)] + [f"b{i}" for i in range(64)]
     adapters = Adapters({n: dataclasses.replace(proto, name=n, version="1") for n in names})
-    econf = EngineConfig(max_num_seqs=128, max_tokens_per_step=4096, num_kv_blocks=4096, block_size=16,
-                         max_loras=80, max_lora_rank=RANK, dtype=DTYPE, device=DEV)
+    econf = EngineConfig(
+        max_num_seqs=128,
+        max_tokens_per_step=4096,
+        num_kv_blocks=4096,
+        block_size=16,
+        max_loras=80,
+        max_lora_rank=RANK,
+        dtype=DTYPE,
+        device=DEV,
+    )
     pool = LoraPool(cfg.shape, PoolConfig(econf.max_loras, RANK, DTYPE, DEV))
     engine = EngineCore(LlamaModel(cfg, random_weights(cfg), pool), adapters, None, econf)
     rng = random.Random(0)
     for i in range(32):  # the 32 decoders: 8 adapters and the base model
-        engine.add(GenerateRequest(f"dec{i}", _prompt(rng), SamplingParams(max_tokens=4000, temperature=0.0),
-                                   names[i % 9] if i % 9 < 8 else None))
+        engine.add(
+            GenerateRequest(
+                f"dec{i}",
+                _prompt(rng),
+                SamplingParams(max_tokens=4000, temperature=0.0),
+                names[i % 9] if i % 9 < 8 else None,
+            )
+        )
     for _ in range(5):
         engine.step()
     warm_steps = []
@@ -165,8 +204,10 @@ def main():
     ms = lambda x: round(x * 1e3, 2)  # noqa: E731
     result = {
         **h2d,
-        "ttft_p50_ms": ms(pct(cold_ttft, 50)), "ttft_p99_ms": ms(pct(cold_ttft, 99)),
-        "warm_ttft_p50_ms": ms(pct(warm_ttft, 50)), "warm_ttft_p99_ms": ms(pct(warm_ttft, 99)),
+        "ttft_p50_ms": ms(pct(cold_ttft, 50)),
+        "ttft_p99_ms": ms(pct(cold_ttft, 99)),
+        "warm_ttft_p50_ms": ms(pct(warm_ttft, 50)),
+        "warm_ttft_p99_ms": ms(pct(warm_ttft, 99)),
         "max_decode_step_ms_during_burst": ms(max(t for t, _ in cold_steps)),
         "max_step_ms_during_warm_burst": ms(max(t for t, _ in warm_burst_steps)),
         # a step that waited on a copy would stand out here: time per token it computed
@@ -175,15 +216,29 @@ def main():
         "warm_decode_step_ms": ms(statistics.median(warm_steps)),
         "gpu_loads": pool.loads,
     }
-    meta = {"gpu": torch.cuda.get_device_name(), "date": str(date.today()), "torch": torch.__version__,
-            "model": "Llama-2-7B shape, random fp16 weights", "adapter": f"rank {RANK}, all 7 projections",
-            "burst": "64 requests (prompt 128) for 64 GPU-non-resident, host-resident adapters over 100 ms; 32 decoding"}
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": str(date.today()),
+        "torch": torch.__version__,
+        "model": "Llama-2-7B shape, random fp16 weights",
+        "adapter": f"rank {RANK}, all 7 projections",
+        "burst": "64 requests (prompt 128) for 64 GPU-non-resident, host-resident adapters over 100 ms; 32 decoding",
+    }
     print(json.dumps(result, indent=1))
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "adapter_load_h200.json").write_text(json.dumps({"meta": meta, **result,
-                                                              "cold_ttft_s": cold_ttft, "warm_ttft_s": warm_ttft,
-                                                              "cold_steps_s_tokens": cold_steps,
-                                                              "warm_burst_steps_s_tokens": warm_burst_steps}, indent=1))
+    (a.out / "adapter_load_h200.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                **result,
+                "cold_ttft_s": cold_ttft,
+                "warm_ttft_s": warm_ttft,
+                "cold_steps_s_tokens": cold_steps,
+                "warm_burst_steps_s_tokens": warm_burst_steps,
+            },
+            indent=1,
+        )
+    )
     plot(cold_ttft, warm_ttft, cold_steps, warm_burst_steps, a.out / "adapter_load_h200.png")
 
 

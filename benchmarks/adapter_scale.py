@@ -17,6 +17,7 @@ off the engine thread); its TTFT runs from its Poisson arrival, so host loads co
 
     python benchmarks/adapter_scale.py [--requests 6000] [--out benchmarks/results]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -122,7 +123,9 @@ def replay(engine: EngineCore, source: GeneratedSource, requests, names, max_tok
         still = []
         for j, fut in loading:
             if fut.done():
-                engine.add(GenerateRequest(f"r{j}", requests[j][2], params, names(requests[j][1])), adapter=fut.result())
+                engine.add(
+                    GenerateRequest(f"r{j}", requests[j][2], params, names(requests[j][1])), adapter=fut.result()
+                )
                 added[j] = now
             else:
                 still.append((j, fut))
@@ -142,19 +145,34 @@ def replay(engine: EngineCore, source: GeneratedSource, requests, names, max_tok
     span = time.perf_counter() - t0
     ttft = sorted(first[j] - requests[j][0] for j in first)
     pct = lambda q: ttft[min(len(ttft) - 1, int(round(q / 100 * (len(ttft) - 1))))]  # noqa: E731
-    return {"requests": len(requests), "seconds": round(span, 2), "tokens_per_s": round(tokens / span, 1),
-            "ttft_p50_ms": round(pct(50) * 1e3, 1), "ttft_p99_ms": round(pct(99) * 1e3, 1),
-            "max_wait_ms": round(max(waits) * 1e3, 1), "gpu_loads": pool.loads - loads0,
-            "gpu_misses": pool.misses - misses0, "gpu_loads_per_s": round((pool.loads - loads0) / span, 1),
-            "host_loads": source.made - made0, "host_loads_per_s": round((source.made - made0) / span, 1),
-            "distinct_adapters": len({names(r[1]) for r in requests}), "ttft_s": ttft}
+    return {
+        "requests": len(requests),
+        "seconds": round(span, 2),
+        "tokens_per_s": round(tokens / span, 1),
+        "ttft_p50_ms": round(pct(50) * 1e3, 1),
+        "ttft_p99_ms": round(pct(99) * 1e3, 1),
+        "max_wait_ms": round(max(waits) * 1e3, 1),
+        "gpu_loads": pool.loads - loads0,
+        "gpu_misses": pool.misses - misses0,
+        "gpu_loads_per_s": round((pool.loads - loads0) / span, 1),
+        "host_loads": source.made - made0,
+        "host_loads_per_s": round((source.made - made0) / span, 1),
+        "distinct_adapters": len({names(r[1]) for r in requests}),
+        "ttft_s": ttft,
+    }
 
 
 def step_seconds(engine: EngineCore, names, max_tokens: int) -> float:
     """Median decode step at batch BATCH, adapters resident: sizes the Poisson rate."""
     for k in range(BATCH):
-        engine.add(GenerateRequest(f"w{k}", tuple(range(1, 65)), SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                                ignore_eos=True), names(k)))
+        engine.add(
+            GenerateRequest(
+                f"w{k}",
+                tuple(range(1, 65)),
+                SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                names(k),
+            )
+        )
     times = []
     while engine.has_work():
         s = time.perf_counter()
@@ -176,11 +194,23 @@ def main():
     a = ap.parse_args()
     cfg = llama7b()
     proto = random_adapter(cfg)
-    econf = EngineConfig(max_num_seqs=2 * BATCH, max_tokens_per_step=4096, num_kv_blocks=2048, block_size=16,
-                         max_loras=SLOTS, max_lora_rank=RANK, dtype=DTYPE, device="cuda")
+    econf = EngineConfig(
+        max_num_seqs=2 * BATCH,
+        max_tokens_per_step=4096,
+        num_kv_blocks=2048,
+        block_size=16,
+        max_loras=SLOTS,
+        max_lora_rank=RANK,
+        dtype=DTYPE,
+        device="cuda",
+    )
     source = GeneratedSource(proto, int(a.host_gb * 2**30), a.workers, a.source_gbps)
-    engine = EngineCore(LlamaModel(cfg, random_weights(cfg), LoraPool(cfg.shape, PoolConfig(SLOTS, RANK, DTYPE, "cuda"))),
-                        source, None, econf)
+    engine = EngineCore(
+        LlamaModel(cfg, random_weights(cfg), LoraPool(cfg.shape, PoolConfig(SLOTS, RANK, DTYPE, "cuda"))),
+        source,
+        None,
+        econf,
+    )
     resident = lambda k: f"r{k % SLOTS}"  # noqa: E731  the baseline: 64 adapters, all resident
     warm = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for k in range(SLOTS):  # the baseline's 64 adapters into the GPU slots before anything is timed
@@ -199,15 +229,25 @@ def main():
         "throughput_ratio": round(scale["tokens_per_s"] / base["tokens_per_s"], 3),
         "ttft_p99_ratio": round(scale["ttft_p99_ms"] / base["ttft_p99_ms"], 2),
         "targets": {"throughput_ratio_min": 0.9, "ttft_p99_ratio_max": 2.0},
-        "decode_step_ms": round(step_s * 1e3, 2), "arrivals_per_s": round(rate, 1),
-        "all_resident_64": base, "on_demand_10k": scale, "host_hits": source.hits, "host_made": source.made,
+        "decode_step_ms": round(step_s * 1e3, 2),
+        "arrivals_per_s": round(rate, 1),
+        "all_resident_64": base,
+        "on_demand_10k": scale,
+        "host_hits": source.hits,
+        "host_made": source.made,
     }
-    meta = {"gpu": torch.cuda.get_device_name(), "date": str(date.today()), "torch": torch.__version__,
-            "model": "Llama-2-7B shape, random fp16 weights", "adapters": f"{a.adapters} distinct, rank {RANK}, all 7 "
-            f"projections ({proto.nbytes / 1e6:.0f} MB each)", "slots": SLOTS, "batch": BATCH,
-            "trace": f"{a.requests} requests, Zipf({ZIPF}), Poisson, prompt 64, {a.max_tokens} output tokens",
-            "source": f"generated into a {a.host_gb} GiB pinned host LRU by {a.workers} threads"
-                      + (f", throttled to {a.source_gbps} GB/s each" if a.source_gbps else " (no S3 latency)")}
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": str(date.today()),
+        "torch": torch.__version__,
+        "model": "Llama-2-7B shape, random fp16 weights",
+        "adapters": f"{a.adapters} distinct, rank {RANK}, all 7 projections ({proto.nbytes / 1e6:.0f} MB each)",
+        "slots": SLOTS,
+        "batch": BATCH,
+        "trace": f"{a.requests} requests, Zipf({ZIPF}), Poisson, prompt 64, {a.max_tokens} output tokens",
+        "source": f"generated into a {a.host_gb} GiB pinned host LRU by {a.workers} threads"
+        + (f", throttled to {a.source_gbps} GB/s each" if a.source_gbps else " (no S3 latency)"),
+    }
     summary = {k: v for k, v in result.items() if k not in ("all_resident_64", "on_demand_10k")}
     print(json.dumps(summary, indent=1))
     a.out.mkdir(parents=True, exist_ok=True)
@@ -222,12 +262,22 @@ def plot(base: dict, scale: dict, path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for run, label in ((base, "64 adapters, all resident"), (scale, f"{scale['distinct_adapters']} of 10,000 on demand")):
+    for run, label in (
+        (base, "64 adapters, all resident"),
+        (scale, f"{scale['distinct_adapters']} of 10,000 on demand"),
+    ):
         xs = run["ttft_s"]
-        ax.plot([x * 1e3 for x in xs], [(i + 1) / len(xs) for i in range(len(xs))],
-                label=f"{label}: {run['tokens_per_s']:.0f} tok/s")
-    ax.set(xscale="log", xlabel="time to first token (ms)", ylabel="fraction of requests",
-           title="Zipf(1.1) trace, batch ~32, 64 slots, Llama-2-7B shape, H200")
+        ax.plot(
+            [x * 1e3 for x in xs],
+            [(i + 1) / len(xs) for i in range(len(xs))],
+            label=f"{label}: {run['tokens_per_s']:.0f} tok/s",
+        )
+    ax.set(
+        xscale="log",
+        xlabel="time to first token (ms)",
+        ylabel="fraction of requests",
+        title="Zipf(1.1) trace, batch ~32, 64 slots, Llama-2-7B shape, H200",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -17,6 +17,7 @@ run: the gather + masked SDPA path (ops/attention.py's AttentionGroup), and with
 Triton unified_attention (its 2D kernel: what vLLM's Triton backend runs from 128 / kv_heads
 sequences up, so for these batches), each checked against ours first.
 """
+
 import argparse
 import datetime
 import json
@@ -33,8 +34,12 @@ from ops import paged_decode as pd  # noqa: E402
 SEQS, BS = 32, 16
 CONTEXTS = (256, 512, 1024, 2048, 4096)
 SHAPES = {  # name: (heads, kv_heads, head dim)
-    "mha_32_32": (32, 32, 128), "gqa_32_8": (32, 8, 128), "gqa_32_4": (32, 4, 128), "qwen25_28_4": (28, 4, 128),
-    "phi3_32_32_d96": (32, 32, 96), "gemma2_16_8_d256": (16, 8, 256),
+    "mha_32_32": (32, 32, 128),
+    "gqa_32_8": (32, 8, 128),
+    "gqa_32_4": (32, 4, 128),
+    "qwen25_28_4": (28, 4, 128),
+    "phi3_32_32_d96": (32, 32, 96),
+    "gemma2_16_8_d256": (16, 8, 256),
 }
 SPLITS = (1, 2, 4, 8, 16)  # grid.z values timed beside decode_splits' choice
 TARGET_X_FLOOR = 1.6  # issue 32: GQA decode within 1.6x of its floor, no slower than vLLM
@@ -53,9 +58,13 @@ def _case(heads, kv_heads, d, ctx, gen):
 def _gather_group(tables, ctx):
     idx = torch.arange(ctx, device="cuda")
     kv_index = tables[:, idx // BS].long() * BS + idx % BS  # [seqs, ctx]
-    return gather_path.AttentionGroup(torch.arange(SEQS, device="cuda")[:, None], kv_index,
-                                      torch.zeros(SEQS, 1, 1, ctx, device="cuda"), torch.arange(SEQS, device="cuda"),
-                                      torch.arange(SEQS, device="cuda"))
+    return gather_path.AttentionGroup(
+        torch.arange(SEQS, device="cuda")[:, None],
+        kv_index,
+        torch.zeros(SEQS, 1, 1, ctx, device="cuda"),
+        torch.arange(SEQS, device="cuda"),
+        torch.arange(SEQS, device="cuda"),
+    )
 
 
 def _rel(a, b):
@@ -73,8 +82,18 @@ def _measure_row(shape, ctx, vllm_ops, bw, flush, gen):
 
     splits = pd.decode_splits(SEQS, kv_heads, "cuda")
     floor = (2 * k.numel() * 2 + 2 * q.numel() * 2) / bw * 1e6
-    row = dict(shape=shape, heads=heads, kv_heads=kv_heads, head_dim=d, context=ctx, seqs=SEQS, splits=splits,
-               config=[pd.WARPS, pd.stages(d, 90)], floor_us=floor, ours_us=time_graph(ours(splits), flush))
+    row = dict(
+        shape=shape,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=d,
+        context=ctx,
+        seqs=SEQS,
+        splits=splits,
+        config=[pd.WARPS, pd.stages(d, 90)],
+        floor_us=floor,
+        ours_us=time_graph(ours(splits), flush),
+    )
     row["ours_us_by_splits"] = {n: time_graph(ours(n), flush) for n in SPLITS}
     row["ours_us_by_config"] = {f"{w}x{s}": time_graph(ours(splits, (w, s)), flush) for w, s in pd.variants(d, 90)}
     ours(splits)()
@@ -88,8 +107,10 @@ def _measure_row(shape, ctx, vllm_ops, bw, flush, gen):
         cu = torch.arange(SEQS + 1, dtype=torch.int32, device="cuda")
 
         def peer():
-            vllm_ops.unified_attention(q, k, v, vout, cu, 1, lens, ctx, scale, True, (-1, -1), tables, 0.0, None, None,
-                                       None)
+            vllm_ops.unified_attention(
+                q, k, v, vout, cu, 1, lens, ctx, scale, True, (-1, -1), tables, 0.0, None, None, None
+            )
+
         peer()
         row["vllm_rel_err_vs_ours"] = _rel(vout, out)
         row["vllm_us"] = time_graph(peer, flush)
@@ -103,7 +124,10 @@ def measure(vllm_ops, bw, shapes):
     for shape in shapes:
         for ctx in CONTEXTS:
             rows.append(_measure_row(shape, ctx, vllm_ops, bw, flush, gen))
-            print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+            print(
+                " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
+                flush=True,
+            )
             torch.cuda.empty_cache()
     return rows
 
@@ -120,18 +144,27 @@ def plot(data, png):
     for ax, shape in zip(axes.flat, shapes):
         rows = [r for r in data["rows"] if r["shape"] == shape]
         ctx = [r["context"] for r in rows]
-        for key, label in (("ours_us", "loraplex paged_decode"), ("vllm_us", "vLLM unified_attention (Triton)"),
-                           ("gather_sdpa_us", "gather + SDPA"), ("floor_us", "bytes / bandwidth")):
+        for key, label in (
+            ("ours_us", "loraplex paged_decode"),
+            ("vllm_us", "vLLM unified_attention (Triton)"),
+            ("gather_sdpa_us", "gather + SDPA"),
+            ("floor_us", "bytes / bandwidth"),
+        ):
             if all(key in r for r in rows):
                 ax.plot(ctx, [r[key] for r in rows], marker="o", label=label, ls="--" if key == "floor_us" else "-")
         r0 = rows[0]
-        ax.set(xscale="log", yscale="log", xlabel="context", ylabel="µs",
-               title=f"{shape}: {r0['heads']} / {r0['kv_heads']} heads, D {r0['head_dim']}")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="context",
+            ylabel="µs",
+            title=f"{shape}: {r0['heads']} / {r0['kv_heads']} heads, D {r0['head_dim']}",
+        )
         ax.set_xticks(ctx)
         ax.set_xticklabels(ctx)
         ax.legend(fontsize=7)
         ax.grid(True, which="both", alpha=0.3)
-    for ax in list(axes.flat)[len(shapes):]:
+    for ax in list(axes.flat)[len(shapes) :]:
         ax.set_visible(False)
     save_figure(fig, f"decode attention, fp16, {SEQS} sequences, {data['device']}", png)
 
@@ -139,8 +172,10 @@ def plot(data, png):
 def summary(rows, null_us):
     """The table, and the issue's GQA target: each GQA row within TARGET_X_FLOOR of its floor and
     no slower than vLLM."""
-    header = (f"{'shape':18s} {'ctx':>5s} {'ours µs':>8s} {'floor':>7s} {'x floor':>7s} {'net':>5s} {'vLLM':>7s} "
-              f"{'vLLM/ours':>9s} {'gather':>7s} {'best split':>10s} {'best config':>11s} {'rel err':>8s}")
+    header = (
+        f"{'shape':18s} {'ctx':>5s} {'ours µs':>8s} {'floor':>7s} {'x floor':>7s} {'net':>5s} {'vLLM':>7s} "
+        f"{'vLLM/ours':>9s} {'gather':>7s} {'best split':>10s} {'best config':>11s} {'rel err':>8s}"
+    )
     lines = [f"graph of one empty kernel: {null_us:.1f} µs (inside every figure; 'net': without it)", header]
     misses = []
     for r in rows:
@@ -149,15 +184,22 @@ def summary(rows, null_us):
         best_config = min(r["ours_us_by_config"], key=r["ours_us_by_config"].get)
         x = r["ours_us"] / r["floor_us"]
         net = (r["ours_us"] - null_us) / r["floor_us"]
-        lines.append(f"{r['shape']:18s} {r['context']:5d} {r['ours_us']:8.1f} {r['floor_us']:7.1f} {x:7.2f} {net:5.2f} {vllm:7.1f} "
-                     f"{vllm / r['ours_us']:9.2f} {r['gather_sdpa_us']:7.1f} {best_split:>10} {best_config:>11} "
-                     f"{r['ours_vs_gather_rel_err']:8.1e}")
+        lines.append(
+            f"{r['shape']:18s} {r['context']:5d} {r['ours_us']:8.1f} {r['floor_us']:7.1f} {x:7.2f} {net:5.2f} {vllm:7.1f} "
+            f"{vllm / r['ours_us']:9.2f} {r['gather_sdpa_us']:7.1f} {best_split:>10} {best_config:>11} "
+            f"{r['ours_vs_gather_rel_err']:8.1e}"
+        )
         if r["kv_heads"] < r["heads"] and (x > TARGET_X_FLOOR or vllm < r["ours_us"]):
             misses.append(f"{r['shape']} ctx {r['context']}")
-    lines.append(f"GQA target (<= {TARGET_X_FLOOR}x floor, no slower than vLLM): "
-                 + ("met at every GQA row" if not misses else "missed at " + ", ".join(misses)))
-    bad = [f"{r['shape']} {r['context']}" for r in rows if r["ours_vs_gather_rel_err"] > 1e-2
-           or r.get("vllm_rel_err_vs_ours", 0) > 1e-2]
+    lines.append(
+        f"GQA target (<= {TARGET_X_FLOOR}x floor, no slower than vLLM): "
+        + ("met at every GQA row" if not misses else "missed at " + ", ".join(misses))
+    )
+    bad = [
+        f"{r['shape']} {r['context']}"
+        for r in rows
+        if r["ours_vs_gather_rel_err"] > 1e-2 or r.get("vllm_rel_err_vs_ours", 0) > 1e-2
+    ]
     if bad:
         lines.append("RESULTS DISAGREE (rel err > 1e-2) at " + ", ".join(bad))
     return "\n".join(lines)
@@ -165,7 +207,9 @@ def summary(rows, null_us):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results" / "attention_h200.json")
+    ap.add_argument(
+        "--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results" / "attention_h200.json"
+    )
     ap.add_argument("--vllm", action="store_true")
     ap.add_argument("--plot-only", action="store_true")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
@@ -184,8 +228,14 @@ def main():
     bw = copy_bandwidth()
     null_us = time_graph(lambda: torch.cuda._sleep(0), torch.empty(2**28 // 4, dtype=torch.float32, device="cuda"))
     rows = measure(vllm_ops, bw, args.shapes)
-    data = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), vllm=version,
-                copy_bandwidth_Bps=bw, null_graph_us=null_us, rows=rows)
+    data = dict(
+        device=torch.cuda.get_device_name(),
+        date=datetime.date.today().isoformat(),
+        vllm=version,
+        copy_bandwidth_Bps=bw,
+        null_graph_us=null_us,
+        rows=rows,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1))
     plot(data, args.out.with_suffix(".png"))

@@ -14,6 +14,7 @@ KV accounting and preemption; a step sleeps a fixed time; tokens are a fixed fun
 prompt and position, so a resumed stream is checked exactly). The client is this
 process: a DeploymentHandle + app.client_stream's ResubmittingStream, as in the ingress.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,13 +42,19 @@ def deploy(app: str, num_kv_blocks: int):
     from app.replica import LoraReplica, ReplicaSettings
     from tests.simulated_engine import StepTime, simulated_engine
 
-    args = {"max_batch_size": MAX_BATCH, "num_kv_blocks": num_kv_blocks, "block_size": 4,
-            "cluster": {"routing_stats_period_s": 0.2, "max_migrations": 64, "failover_wait_s": FAILOVER_WAIT_S},
-            "replica": {"num_replicas": REPLICAS, "ray_actor_options": {"num_cpus": 0.1}}}
-    settings = ReplicaSettings(None, EngineConfig(max_num_seqs=MAX_BATCH, num_kv_blocks=num_kv_blocks, block_size=4),
-                               (), migrate_locally=False)
+    args = {
+        "max_batch_size": MAX_BATCH,
+        "num_kv_blocks": num_kv_blocks,
+        "block_size": 4,
+        "cluster": {"routing_stats_period_s": 0.2, "max_migrations": 64, "failover_wait_s": FAILOVER_WAIT_S},
+        "replica": {"num_replicas": REPLICAS, "ray_actor_options": {"num_cpus": 0.1}},
+    }
+    settings = ReplicaSettings(
+        None, EngineConfig(max_num_seqs=MAX_BATCH, num_kv_blocks=num_kv_blocks, block_size=4), (), migrate_locally=False
+    )
     replica = LoraReplica.options(**parse_args(args, "simulated").replica_options).bind(
-        settings, None, functools.partial(simulated_engine, StepTime(STEP_S)))
+        settings, None, functools.partial(simulated_engine, StepTime(STEP_S))
+    )
     serve.run(replica, name=app, route_prefix=None)
     handle = serve.get_deployment_handle("LoraReplica", app).options(stream=True)
     return lambda r: handle.generate.remote(r, None, 0)
@@ -75,8 +82,15 @@ async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float
     live: dict[str, str] = {}  # request id → its replica now
     kills: list[str] = []
     timeline: list[tuple[float, str]] = []  # (seconds from start, "kill" | a move's reason)
-    out = {"complete": 0, "cancelled": 0, "lost": 0, "duplicated_tokens": 0, "migrations": 0, "failovers": 0,
-           "ended_twice": 0}
+    out = {
+        "complete": 0,
+        "cancelled": 0,
+        "lost": 0,
+        "duplicated_tokens": 0,
+        "migrations": 0,
+        "failovers": 0,
+        "ended_twice": 0,
+    }
     start = time.time()
 
     async def killer():
@@ -100,7 +114,7 @@ async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float
         stream = await ResubmittingStream.open(submit, request, policy)
         chunks = stream.chunks()
         async for chunk in chunks:
-            moved = stream.moves[len(seen):]
+            moved = stream.moves[len(seen) :]
             seen += moved
             timeline.extend((time.time() - start, reason) for reason, _ in moved)
             live[request.request_id] = stream.replica
@@ -116,14 +130,15 @@ async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float
         out["ended_twice"] += ends > 1
         out["migrations"] += len(stream.moves)
         out["failovers"] += sum(r == "failover" for r, _ in stream.moves)
-        if leave_at is not None and tokens == want[:len(tokens)] and len(tokens) < n:
+        if leave_at is not None and tokens == want[: len(tokens)] and len(tokens) < n:
             out["cancelled"] += 1
         elif tokens == want:
             out["complete"] += 1
         else:
             out["lost"] += 1
             out["lost_examples"] = out.get("lost_examples", [])[:4] + [
-                f"{request.request_id}: {len(tokens)}/{n} tokens, moves {stream.moves}, last {last!r}"[:400]]
+                f"{request.request_id}: {len(tokens)}/{n} tokens, moves {stream.moves}, last {last!r}"[:400]
+            ]
 
     task = asyncio.ensure_future(killer())
     await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
@@ -145,8 +160,9 @@ def settle(app: str) -> list[dict]:
             reports = replica_reports(app)
         except ray.exceptions.RayError:  # a replacement still starting
             reports = []
-        if len(reports) == REPLICAS and all(r and r["running"] == r["waiting"] == 0 and
-                                            r["free_kv_blocks"] == r["total_kv_blocks"] for r in reports):
+        if len(reports) == REPLICAS and all(
+            r and r["running"] == r["waiting"] == 0 and r["free_kv_blocks"] == r["total_kv_blocks"] for r in reports
+        ):
             return reports
         time.sleep(1)
     return replica_reports(app)
@@ -163,11 +179,20 @@ def plot(phases: dict, png: pathlib.Path) -> None:
     for ax, (name, p) in zip(axes, phases.items()):
         reasons = sorted({r for _, r in p["timeline"]})
         for y, reason in enumerate(reasons):
-            ax.plot([t for t, r in p["timeline"] if r == reason], [y] * sum(r == reason for _, r in p["timeline"]),
-                    "|", markersize=12, label=reason)
-        ax.set(yticks=range(len(reasons)), yticklabels=reasons, xlabel="seconds",
-               title=f"{name}: {p['requests']} requests, {p['complete']} complete, {p['cancelled']} cancelled, "
-                     f"{p['lost']} lost")
+            ax.plot(
+                [t for t, r in p["timeline"] if r == reason],
+                [y] * sum(r == reason for _, r in p["timeline"]),
+                "|",
+                markersize=12,
+                label=reason,
+            )
+        ax.set(
+            yticks=range(len(reasons)),
+            yticklabels=reasons,
+            xlabel="seconds",
+            title=f"{name}: {p['requests']} requests, {p['complete']} complete, {p['cancelled']} cancelled, "
+            f"{p['lost']} lost",
+        )
         ax.title.set_fontsize(9)
     fig.tight_layout()
     fig.savefig(png, dpi=80)
@@ -203,22 +228,48 @@ def main():
     serve.shutdown()
     ray.shutdown()
     total = lambda k: sum(p[k] for p in phases.values())  # noqa: E731
-    result = {"date": datetime.date.today().isoformat(), "machine": "CPU, simulated engine (see docstring)",
-              "replicas": REPLICAS, "max_batch": MAX_BATCH, "step_s": STEP_S, "failover_wait_s": FAILOVER_WAIT_S,
-              "requests": total("requests"), "lost": total("lost"), "duplicated_tokens": total("duplicated_tokens"),
-              "migrations": total("migrations"), "failovers": total("failovers"), "kills": total("kills"),
-              "phases": phases}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": "CPU, simulated engine (see docstring)",
+        "replicas": REPLICAS,
+        "max_batch": MAX_BATCH,
+        "step_s": STEP_S,
+        "failover_wait_s": FAILOVER_WAIT_S,
+        "requests": total("requests"),
+        "lost": total("lost"),
+        "duplicated_tokens": total("duplicated_tokens"),
+        "migrations": total("migrations"),
+        "failovers": total("failovers"),
+        "kills": total("kills"),
+        "phases": phases,
+    }
     OUT.write_text(json.dumps(result, indent=1))
     plot(phases, OUT.with_suffix(".png"))
-    keys = ["requests", "complete", "cancelled", "lost", "ended_twice", "duplicated_tokens", "migrations", "failovers",
-            "kills", "wall_s"]
+    keys = [
+        "requests",
+        "complete",
+        "cancelled",
+        "lost",
+        "ended_twice",
+        "duplicated_tokens",
+        "migrations",
+        "failovers",
+        "kills",
+        "wall_s",
+    ]
     print(f"{'':18}" + "".join(f"{p:>10}" for p in phases))
     for k in keys:
-        print(f"{k:18}" + "".join(f"{phases[p][k]:>10.1f}" if isinstance(phases[p][k], float)
-                                  else f"{phases[p][k]!s:>10}" for p in phases))
+        print(
+            f"{k:18}"
+            + "".join(
+                f"{phases[p][k]:>10.1f}" if isinstance(phases[p][k], float) else f"{phases[p][k]!s:>10}" for p in phases
+            )
+        )
     for p in phases.values():
-        print("replicas after:", [(r["running"], r["waiting"], r["free_kv_blocks"], r["total_kv_blocks"])
-                                  for r in p["replicas_after"]])
+        print(
+            "replicas after:",
+            [(r["running"], r["waiting"], r["free_kv_blocks"], r["total_kv_blocks"]) for r in p["replicas_after"]],
+        )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ Per router: per-replica batch over time (PNG, Punica Fig. 13 bottom panel), the 
 replica-time at batch 0 or at max batch, replicas that sat idle (never above batch 0),
 p50/p99 time between tokens, migrations and failovers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,13 +51,19 @@ async def run_router(router: str, arrivals: list[float], seed: int) -> dict:
     from tests.simulated_engine import StepTime, simulated_engine, simulated_token
 
     app = f"routing-{router}"
-    args = {"max_batch_size": MAX_BATCH, "num_kv_blocks": 128, "block_size": 16,
-            "cluster": {"router": router, "routing_stats_period_s": 0.2},
-            "replica": {"num_replicas": REPLICAS, "ray_actor_options": {"num_cpus": 0.1}}}
-    settings = ReplicaSettings(None, EngineConfig(max_num_seqs=MAX_BATCH, num_kv_blocks=128, block_size=16), (),
-                               migrate_locally=False)
+    args = {
+        "max_batch_size": MAX_BATCH,
+        "num_kv_blocks": 128,
+        "block_size": 16,
+        "cluster": {"router": router, "routing_stats_period_s": 0.2},
+        "replica": {"num_replicas": REPLICAS, "ray_actor_options": {"num_cpus": 0.1}},
+    }
+    settings = ReplicaSettings(
+        None, EngineConfig(max_num_seqs=MAX_BATCH, num_kv_blocks=128, block_size=16), (), migrate_locally=False
+    )
     replica = LoraReplica.options(**parse_args(args, "simulated").replica_options).bind(
-        settings, None, functools.partial(simulated_engine, StepTime(**STEP)))
+        settings, None, functools.partial(simulated_engine, StepTime(**STEP))
+    )
     serve.run(replica, name=app, route_prefix=None)
     handle = serve.get_deployment_handle("LoraReplica", app).options(stream=True)
     submit = lambda r: handle.generate.remote(r, None, 0)  # noqa: E731
@@ -73,7 +80,9 @@ async def run_router(router: str, arrivals: list[float], seed: int) -> dict:
         request = GenerateRequest(f"{router}-{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, seed=i))
         sent, times, tokens, moves = time.time(), [], [], []
         try:
-            stream = await ResubmittingStream.open(submit, request, MigrationPolicy(max_migrations=8, failover_wait_s=60))
+            stream = await ResubmittingStream.open(
+                submit, request, MigrationPolicy(max_migrations=8, failover_wait_s=60)
+            )
             async for chunk in stream.chunks():
                 if getattr(chunk, "token_ids", None):
                     times.append(time.time())
@@ -83,8 +92,15 @@ async def run_router(router: str, arrivals: list[float], seed: int) -> dict:
             print(f"  {request.request_id} lost: {type(exc).__name__}: {exc}", flush=True)
         want = [simulated_token(prompt, p) for p in range(n)]
         duplicated[0] += max(0, len(tokens) - n) + sum(a != b for a, b in zip(tokens, want))
-        records.append({"arrival": sent - start, "times": [t - start for t in times], "ok": tokens == want,
-                        "moves": len(moves), "failovers": sum(r == "failover" for r, _ in moves)})
+        records.append(
+            {
+                "arrival": sent - start,
+                "times": [t - start for t in times],
+                "ok": tokens == want,
+                "moves": len(moves),
+                "failovers": sum(r == "failover" for r, _ in moves),
+            }
+        )
 
     await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
     await asyncio.sleep(1.0)
@@ -113,11 +129,19 @@ def plot(result: dict, path: pathlib.Path) -> None:
         r = result["routers"][name]
         names = sorted({k for row in r["timeline"]["batches"] for k in row})
         for k in names:
-            ax.step(r["timeline"]["t"], [max(0, row.get(k, 0)) for row in r["timeline"]["batches"]], where="post",
-                    linewidth=1.0, label=f"replica {k}")
+            ax.step(
+                r["timeline"]["t"],
+                [max(0, row.get(k, 0)) for row in r["timeline"]["batches"]],
+                where="post",
+                linewidth=1.0,
+                label=f"replica {k}",
+            )
         ax.set_ylabel("batch size")
-        ax.set_title(f"{name}: {100 * r['share_batch_0_or_max']:.0f}% of replica-time at batch 0 or {MAX_BATCH}, "
-                     f"{r['idle_replicas']} replicas idle", fontsize=9)
+        ax.set_title(
+            f"{name}: {100 * r['share_batch_0_or_max']:.0f}% of replica-time at batch 0 or {MAX_BATCH}, "
+            f"{r['idle_replicas']} replicas idle",
+            fontsize=9,
+        )
         ax.legend(fontsize=7, loc="upper right")
     axes[1].set_xlabel("seconds into the trace")
     save_figure(fig, f"per-replica batch size, {result['requests']} requests, {REPLICAS} replicas", path)
@@ -146,20 +170,46 @@ def main():
         routers[router] = asyncio.run(run_router(router, arrivals, seed=13))
     serve.shutdown()
     ray.shutdown()
-    result = {"date": datetime.date.today().isoformat(), "machine": "2 CPU cores, simulated engine (see docstring)",
-              "step_time_model_s": STEP, "replicas": REPLICAS, "max_batch": MAX_BATCH, "rps": a.rps,
-              "requests": sum(r["requests"] for r in routers.values()),
-              "lost": sum(r["lost"] for r in routers.values()),
-              "duplicated_tokens": sum(r["duplicated_tokens"] for r in routers.values()),
-              "migrations": sum(r["migrations"] for r in routers.values()),
-              "failovers": sum(r["failovers"] for r in routers.values()), "routers": routers}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": "2 CPU cores, simulated engine (see docstring)",
+        "step_time_model_s": STEP,
+        "replicas": REPLICAS,
+        "max_batch": MAX_BATCH,
+        "rps": a.rps,
+        "requests": sum(r["requests"] for r in routers.values()),
+        "lost": sum(r["lost"] for r in routers.values()),
+        "duplicated_tokens": sum(r["duplicated_tokens"] for r in routers.values()),
+        "migrations": sum(r["migrations"] for r in routers.values()),
+        "failovers": sum(r["failovers"] for r in routers.values()),
+        "routers": routers,
+    }
     OUT.write_text(json.dumps(result, indent=1))
-    keys = ["requests", "lost", "duplicated_tokens", "share_batch_0_or_max", "share_batch_0", "share_batch_max",
-            "idle_replicas", "mean_batch", "p50_tbt_s", "p99_tbt_s", "p50_ttft_s", "p99_ttft_s", "migrations", "failovers"]
+    keys = [
+        "requests",
+        "lost",
+        "duplicated_tokens",
+        "share_batch_0_or_max",
+        "share_batch_0",
+        "share_batch_max",
+        "idle_replicas",
+        "mean_batch",
+        "p50_tbt_s",
+        "p99_tbt_s",
+        "p50_ttft_s",
+        "p99_ttft_s",
+        "migrations",
+        "failovers",
+    ]
     print(f"{'':22}" + "".join(f"{p:>16}" for p in routers))
     for k in keys:
-        print(f"{k:22}" + "".join(f"{routers[p][k]:>16.3f}" if isinstance(routers[p][k], float)
-                                  else f"{routers[p][k]!s:>16}" for p in routers))
+        print(
+            f"{k:22}"
+            + "".join(
+                f"{routers[p][k]:>16.3f}" if isinstance(routers[p][k], float) else f"{routers[p][k]!s:>16}"
+                for p in routers
+            )
+        )
     plot(result, OUT.with_suffix(".png"))
 
 

@@ -7,6 +7,7 @@ machine (see ``ceilings``).
 
     python benchmarks/cpu_generate.py [--new-tokens 64] [--out benchmarks/results]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,13 +26,19 @@ from app.model.default import default_model_dir
 from app.protocol import GenerateRequest, SamplingParams
 
 GOALS = {1: 2.0, 16: 5.0}  # the issue's goal: this many times HF's tokens/s at this batch
-QUESTIONS = ["What is the capital of France?", "Give me three tips for staying healthy.",
-             "Write a short poem about the sea.", "How do airplanes fly?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+    "Write a short poem about the sea.",
+    "How do airplanes fly?",
+]
 
 
 def _prompts(tok, n):
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in QUESTIONS]
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in QUESTIONS
+    ]
     return [tok(chats[i % len(chats)])["input_ids"] for i in range(n)]
 
 
@@ -67,8 +74,14 @@ def bench_hf(model, tok, prompts, adapters, new_tokens):
     kw = {} if all(a is None for a in adapters) else {"adapter_names": [a or "__base__" for a in adapters]}
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id, **kw)
+        out = model.generate(
+            **batch,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            **kw,
+        )
     elapsed = time.perf_counter() - start
     return (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts) / elapsed
 
@@ -94,9 +107,11 @@ def ceilings(model, batch: int) -> dict:
     big = torch.ones(2**27)  # 512 MiB: far beyond the caches
     read_GBps = big.numel() * 4 / _best_s(big.sum) / 1e9
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    return {"blas_ceiling_tok_s": round(batch / matmuls_s, 1),
-            "stream_ceiling_tok_s": round(batch / (weight_bytes / (read_GBps * 1e9)), 1),
-            "read_GBps": round(read_GBps, 1)}
+    return {
+        "blas_ceiling_tok_s": round(batch / matmuls_s, 1),
+        "stream_ceiling_tok_s": round(batch / (weight_bytes / (read_GBps * 1e9)), 1),
+        "read_GBps": round(read_GBps, 1),
+    }
 
 
 def plot(rows, path):
@@ -111,8 +126,13 @@ def plot(rows, path):
     ax.bar([i - 0.2 for i in x], [r["hf_tok_s"] for r in rows], 0.4, label="HF transformers + PEFT")
     ax.bar([i + 0.2 for i in x], [r["engine_tok_s"] for r in rows], 0.4, label="loraplex engine")
     ax.scatter(x, [r["goal_tok_s"] for r in rows], marker="_", s=900, color="k", label="goal")
-    ax.scatter(x, [r["blas_ceiling_tok_s"] for r in rows], marker="x", color="r",
-               label="ceiling: the step's matmuls alone (this BLAS)")
+    ax.scatter(
+        x,
+        [r["blas_ceiling_tok_s"] for r in rows],
+        marker="x",
+        color="r",
+        label="ceiling: the step's matmuls alone (this BLAS)",
+    )
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("generated tokens / s")
     ax.set_title("SmolLM2-135M on this CPU, greedy")
@@ -130,7 +150,11 @@ def main():
     engine = build_engine(None, EngineConfig(max_lora_rank=64, max_loras=4, num_kv_blocks=1024), adapter_dirs)
     tok = engine.tokenizer
     mix = [None, *adapter_dirs]
-    cases = {"batch 1 (base)": [None], "batch 1 (adapter)": [mix[1]], "batch 16 (mixed)": [mix[i % len(mix)] for i in range(16)]}
+    cases = {
+        "batch 1 (base)": [None],
+        "batch 1 (adapter)": [mix[1]],
+        "batch 16 (mixed)": [mix[i % len(mix)] for i in range(16)],
+    }
     rows = []
     for case, adapters in cases.items():
         prompts = _prompts(tok, len(adapters))
@@ -141,15 +165,32 @@ def main():
         bench_hf(model, tok, prompts[:1], adapters[:1], 4)
         hf = bench_hf(model, tok, prompts, adapters, a.new_tokens)
         goal = GOALS[len(adapters)] * hf
-        rows.append({"case": case, "batch": len(adapters), "engine_tok_s": round(ours, 1), "hf_tok_s": round(hf, 1),
-                     "speedup": round(ours / hf, 2), "goal_tok_s": round(goal, 1), **ceilings(engine.model, len(adapters))})
+        rows.append(
+            {
+                "case": case,
+                "batch": len(adapters),
+                "engine_tok_s": round(ours, 1),
+                "hf_tok_s": round(hf, 1),
+                "speedup": round(ours / hf, 2),
+                "goal_tok_s": round(goal, 1),
+                **ceilings(engine.model, len(adapters)),
+            }
+        )
         r = rows[-1]
-        print(f"{case:20s} engine {ours:8.1f} tok/s   HF {hf:8.1f} tok/s   x{ours / hf:.2f}   goal {goal:6.1f}   "
-              f"ceilings: BLAS matmuls alone {r['blas_ceiling_tok_s']:6.1f}, weight streaming at "
-              f"{r['read_GBps']} GB/s {r['stream_ceiling_tok_s']:6.1f}", flush=True)
+        print(
+            f"{case:20s} engine {ours:8.1f} tok/s   HF {hf:8.1f} tok/s   x{ours / hf:.2f}   goal {goal:6.1f}   "
+            f"ceilings: BLAS matmuls alone {r['blas_ceiling_tok_s']:6.1f}, weight streaming at "
+            f"{r['read_GBps']} GB/s {r['stream_ceiling_tok_s']:6.1f}",
+            flush=True,
+        )
     a.out.mkdir(parents=True, exist_ok=True)
-    meta = {"date": str(date.today()), "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
-            "torch": torch.__version__, "new_tokens": a.new_tokens, "dtype": "float32"}
+    meta = {
+        "date": str(date.today()),
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "new_tokens": a.new_tokens,
+        "dtype": "float32",
+    }
     (a.out / "cpu_generate.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     plot(rows, a.out / "cpu_generate.png")
 

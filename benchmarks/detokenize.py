@@ -10,6 +10,7 @@ Tokenizers: the 32000-word one of benchmarks/serve_throughput.py (the H200 run's
 their checkpoints are on this node, SmolLM2's and Gemma 3's. Writes
 benchmarks/results/detokenize.json: microseconds of engine-thread CPU per token.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,12 +57,19 @@ def main() -> None:
     for name, tok in tokenizers().items():
         outputs = [[rng.randrange(tok.vocab_size) for _ in range(TOKENS)] for _ in range(REQUESTS)]
         for stop in ((), ("w1 w2",)):
+
             def updates(kind):
                 return lambda: (lambda d: lambda ids: d.update(ids, check_stop=True))(kind(tok, stop, []))
 
             whole, windowed = updates(FullDecode), updates(Detokenizer)
-            rows.append({"tokenizer": name, "stop": bool(stop), "whole_output_us": round(per_token_us(whole, outputs), 1),
-                         "windowed_us": round(per_token_us(windowed, outputs), 1)})
+            rows.append(
+                {
+                    "tokenizer": name,
+                    "stop": bool(stop),
+                    "whole_output_us": round(per_token_us(whole, outputs), 1),
+                    "windowed_us": round(per_token_us(windowed, outputs), 1),
+                }
+            )
             print(rows[-1])
     OUT.write_text(json.dumps({"requests": REQUESTS, "tokens": TOKENS, "rows": rows}, indent=1))
 

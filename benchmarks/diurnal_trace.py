@@ -24,6 +24,7 @@ Per policy: replica-seconds (replica actors alive, sampled every 0.5 s), the sha
 replica-time at batch 0 or at max batch, TTFT and time between tokens seen by the client
 (p50/p99), requests lost (not complete with all 32 tokens), migrations, scale events.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,15 +67,27 @@ def trace(duration_s: float, peak_rps: float, seed: int) -> list[tuple[float, st
 def deployment_options(policy: str) -> dict:
     from app.config import parse_args
 
-    autoscaling = {"min_replicas": 1, "max_replicas": MAX_REPLICAS, "metrics_interval_s": 0.5,
-                   "look_back_period_s": 2.0, **DELAYS}
+    autoscaling = {
+        "min_replicas": 1,
+        "max_replicas": MAX_REPLICAS,
+        "metrics_interval_s": 0.5,
+        "look_back_period_s": 2.0,
+        **DELAYS,
+    }
     if policy == "default":  # Ray Serve's router and queue-length policy (its default target, 2 ongoing)
         autoscaling["policy"] = {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}
     # max_ongoing_requests = the batch for both: Serve then never queues more in a replica than
     # it batches, so requests that find no room wait at the router, where the autoscaler sees them
-    args = {"max_batch_size": MAX_BATCH, "num_kv_blocks": 512, "block_size": 16,
-            "replica": {"autoscaling_config": autoscaling, "max_ongoing_requests": MAX_BATCH,
-                        "ray_actor_options": {"num_cpus": 0.1}}}
+    args = {
+        "max_batch_size": MAX_BATCH,
+        "num_kv_blocks": 512,
+        "block_size": 16,
+        "replica": {
+            "autoscaling_config": autoscaling,
+            "max_ongoing_requests": MAX_BATCH,
+            "ray_actor_options": {"num_cpus": 0.1},
+        },
+    }
     options = parse_args(args, "simulated").replica_options
     if policy == "default":
         options.pop("request_router_config", None)
@@ -96,8 +109,9 @@ class Sampler:
         import ray
 
         while not self._stop.wait(self.period_s):
-            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                     if a["name"].startswith(self.prefix)]
+            names = [
+                a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(self.prefix)
+            ]
             for n in names:
                 self._handles.setdefault(n, ray.get_actor(n, namespace="serve"))
                 if n not in self._asked.values():
@@ -110,7 +124,7 @@ class Sampler:
                     self._last[n] = stats["running"] if stats else -1
                 except Exception:  # constructing or stopped
                     self._last[n] = -1
-            self.rows.append((time.time(), {n[len(self.prefix):]: self._last.get(n, -1) for n in names}))
+            self.rows.append((time.time(), {n[len(self.prefix) :]: self._last.get(n, -1) for n in names}))
 
 
 def simulated_replica(policy: str):
@@ -119,14 +133,23 @@ def simulated_replica(policy: str):
     from app.replica import LoraReplica, ReplicaSettings
     from tests.simulated_engine import StepTime, simulated_engine
 
-    settings = ReplicaSettings(None, EngineConfig(max_num_seqs=MAX_BATCH, num_kv_blocks=512, block_size=16), (),
-                               migrate_locally=False)
+    settings = ReplicaSettings(
+        None, EngineConfig(max_num_seqs=MAX_BATCH, num_kv_blocks=512, block_size=16), (), migrate_locally=False
+    )
     return LoraReplica.options(**deployment_options(policy)).bind(
-        settings, None, functools.partial(simulated_engine, StepTime(**STEP)))
+        settings, None, functools.partial(simulated_engine, StepTime(**STEP))
+    )
 
 
-async def run_policy(policy: str, arrivals, replica, max_batch: int = MAX_BATCH, new_tokens: int = NEW_TOKENS,
-                     vocab: int = 32000, step: dict | None = STEP) -> dict:
+async def run_policy(
+    policy: str,
+    arrivals,
+    replica,
+    max_batch: int = MAX_BATCH,
+    new_tokens: int = NEW_TOKENS,
+    vocab: int = 32000,
+    step: dict | None = STEP,
+) -> dict:
     """Replay ``arrivals`` through the bound LoraReplica deployment ``replica``; the summary
     (``step``: the step-time model the replicas sleep, None for a real engine)."""
     from ray import serve
@@ -146,12 +169,17 @@ async def run_policy(policy: str, arrivals, replica, max_batch: int = MAX_BATCH,
     async def one(i: int, at: float, adapter: str):
         await asyncio.sleep(max(0.0, start + at - time.time()))
         rng = random.Random(i)
-        request = GenerateRequest(f"{policy}-{i}", tuple(rng.randrange(vocab) for _ in range(PROMPT)),
-                                  SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, seed=i),
-                                  adapter)
+        request = GenerateRequest(
+            f"{policy}-{i}",
+            tuple(rng.randrange(vocab) for _ in range(PROMPT)),
+            SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, seed=i),
+            adapter,
+        )
         sent, times, tokens, moves, ok = time.time(), [], 0, 0, False
         try:
-            stream = await ResubmittingStream.open(submit, request, MigrationPolicy(max_migrations=8, failover_wait_s=60))
+            stream = await ResubmittingStream.open(
+                submit, request, MigrationPolicy(max_migrations=8, failover_wait_s=60)
+            )
             async for chunk in stream.chunks():
                 if getattr(chunk, "token_ids", None):
                     times.append(time.time())
@@ -187,18 +215,29 @@ def summarize(records, rows, start, max_batch, step: dict | None = STEP) -> dict
     modeled = step["base_s"] + step["per_request_s"] * float(np.median(busy)) if busy and step else None
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
     return {
-        "requests": len(records), "lost": sum(not r["ok"] for r in records),
-        "replica_seconds": float(np.sum(counts * dt)), "share_batch_0_or_max": edge,
+        "requests": len(records),
+        "lost": sum(not r["ok"] for r in records),
+        "replica_seconds": float(np.sum(counts * dt)),
+        "share_batch_0_or_max": edge,
         "share_batch_0": sum(d for d, b in replica_time if b == 0) / total,
         "share_batch_max": sum(d for d, b in replica_time if b >= max_batch) / total,
-        "p50_ttft_s": pct(ttft, 50), "p99_ttft_s": pct(ttft, 99), "p50_tbt_s": pct(tbt, 50), "p99_tbt_s": pct(tbt, 99),
-        "modeled_step_s": modeled, "p50_tbt_over_model": pct(tbt, 50) / modeled if modeled and tbt else None,
-        "migrations": sum(r["moves"] for r in records), "scale_events": scale_events,
-        "max_replicas_seen": int(counts.max()) if len(counts) else 0, "mean_batch": float(np.mean(batches)) if batches else 0,
-        "timeline": {"t": ts.round(2).tolist(), "replicas": counts.tolist(),
-                     "batches": [{k[-8:]: v for k, v in r.items()} for _, r in rows],
-                     "arrivals": [round(r["arrival"], 2) for r in records],
-                     "tokens": [round(t, 2) for r in records for t in r["times"]]},
+        "p50_ttft_s": pct(ttft, 50),
+        "p99_ttft_s": pct(ttft, 99),
+        "p50_tbt_s": pct(tbt, 50),
+        "p99_tbt_s": pct(tbt, 99),
+        "modeled_step_s": modeled,
+        "p50_tbt_over_model": pct(tbt, 50) / modeled if modeled and tbt else None,
+        "migrations": sum(r["moves"] for r in records),
+        "scale_events": scale_events,
+        "max_replicas_seen": int(counts.max()) if len(counts) else 0,
+        "mean_batch": float(np.mean(batches)) if batches else 0,
+        "timeline": {
+            "t": ts.round(2).tolist(),
+            "replicas": counts.tolist(),
+            "batches": [{k[-8:]: v for k, v in r.items()} for _, r in rows],
+            "arrivals": [round(r["arrival"], 2) for r in records],
+            "tokens": [round(t, 2) for r in records for t in r["times"]],
+        },
     }
 
 
@@ -214,23 +253,39 @@ def plot(result: dict, path: pathlib.Path) -> None:
         r = result["policies"][name]["timeline"]
         end = max(r["t"]) if r["t"] else 1
         bins = np.arange(0, end + 5, 5)
-        axes[0].hist(r["arrivals"], bins=bins, histtype="step", color=color, weights=[1 / 5] * len(r["arrivals"]),
-                     label=f"{label}: requests/s")
+        axes[0].hist(
+            r["arrivals"],
+            bins=bins,
+            histtype="step",
+            color=color,
+            weights=[1 / 5] * len(r["arrivals"]),
+            label=f"{label}: requests/s",
+        )
         axes[0].step(r["t"], r["replicas"], where="post", color=color, linestyle="--", label=f"{label}: replicas")
-        axes[1].hist(r["tokens"], bins=bins, histtype="step", color=color, weights=[1 / 5] * len(r["tokens"]),
-                     label=label)
+        axes[1].hist(
+            r["tokens"], bins=bins, histtype="step", color=color, weights=[1 / 5] * len(r["tokens"]), label=label
+        )
         names = sorted({k for row in r["batches"] for k in row})
         for k in names:
-            axes[2].plot(r["t"], [row.get(k, np.nan) if row.get(k, -1) >= 0 else np.nan for row in r["batches"]],
-                         color=color, alpha=0.6, linewidth=0.8)
+            axes[2].plot(
+                r["t"],
+                [row.get(k, np.nan) if row.get(k, -1) >= 0 else np.nan for row in r["batches"]],
+                color=color,
+                alpha=0.6,
+                linewidth=0.8,
+            )
     axes[0].set_ylabel("requests/s, replicas")
     axes[1].set_ylabel("tokens/s")
     axes[2].set_ylabel("batch per replica")
     axes[2].set_xlabel("seconds into the trace")
     axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=7)
-    save_figure(fig, f"diurnal trace (Punica Fig. 13, compressed): loraplex / default replica-seconds "
-                     f"{result['replica_seconds_ratio']:.2f}", path)
+    save_figure(
+        fig,
+        f"diurnal trace (Punica Fig. 13, compressed): loraplex / default replica-seconds "
+        f"{result['replica_seconds_ratio']:.2f}",
+        path,
+    )
 
 
 def main():
@@ -256,18 +311,47 @@ def main():
     serve.shutdown()
     ray.shutdown()
     ratio = policies["loraplex"]["replica_seconds"] / policies["default"]["replica_seconds"]
-    result = {"date": datetime.date.today().isoformat(), "machine": "2 CPU cores, simulated engine (see docstring)",
-              "step_time_model_s": STEP, "dilation": DILATION, "max_batch": MAX_BATCH, "max_replicas": MAX_REPLICAS,
-              "prompt_tokens": PROMPT, "new_tokens": NEW_TOKENS, "adapters": ADAPTERS, "zipf": ZIPF,
-              "delays": DELAYS, "duration_s": a.duration, "peak_rps": a.peak_rps,
-              "replica_seconds_ratio": ratio, "policies": policies}
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": "2 CPU cores, simulated engine (see docstring)",
+        "step_time_model_s": STEP,
+        "dilation": DILATION,
+        "max_batch": MAX_BATCH,
+        "max_replicas": MAX_REPLICAS,
+        "prompt_tokens": PROMPT,
+        "new_tokens": NEW_TOKENS,
+        "adapters": ADAPTERS,
+        "zipf": ZIPF,
+        "delays": DELAYS,
+        "duration_s": a.duration,
+        "peak_rps": a.peak_rps,
+        "replica_seconds_ratio": ratio,
+        "policies": policies,
+    }
     OUT.write_text(json.dumps(result, indent=1))
-    keys = ["requests", "lost", "replica_seconds", "share_batch_0_or_max", "p50_ttft_s", "p99_ttft_s", "p50_tbt_s",
-            "p99_tbt_s", "p50_tbt_over_model", "migrations", "scale_events", "max_replicas_seen"]
+    keys = [
+        "requests",
+        "lost",
+        "replica_seconds",
+        "share_batch_0_or_max",
+        "p50_ttft_s",
+        "p99_ttft_s",
+        "p50_tbt_s",
+        "p99_tbt_s",
+        "p50_tbt_over_model",
+        "migrations",
+        "scale_events",
+        "max_replicas_seen",
+    ]
     print(f"{'':24}" + "".join(f"{p:>14}" for p in policies))
     for k in keys:
-        print(f"{k:24}" + "".join(f"{policies[p][k]:>14.3f}" if isinstance(policies[p][k], float)
-                                  else f"{policies[p][k]!s:>14}" for p in policies))
+        print(
+            f"{k:24}"
+            + "".join(
+                f"{policies[p][k]:>14.3f}" if isinstance(policies[p][k], float) else f"{policies[p][k]!s:>14}"
+                for p in policies
+            )
+        )
     print(f"replica_seconds_ratio (loraplex / default): {ratio:.3f}")
     plot(result, OUT.with_suffix(".png"))
 

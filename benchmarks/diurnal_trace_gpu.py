@@ -14,6 +14,7 @@ The model has SmolLM2-135M's shape (30 layers, hidden 576, 9 heads, 3 KV heads) 
 random bf16 weights and no tokenizer (token ids in, token ids out); 100 adapter names,
 Zipf(1.5) popular, map onto 8 random rank-16 PEFT adapters on all seven projections.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,17 @@ def make_model(root: pathlib.Path) -> tuple[pathlib.Path, dict[str, str]]:
     from tests.helpers import make_random_adapter
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
     model_dir = root / "model"
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir, safe_serialization=True)
     dirs = [make_random_adapter(model_dir, root / f"adapter-{k}", 16, MODULES, seed=k) for k in range(DISTINCT)]
@@ -63,16 +72,33 @@ def gpu_replica(model_dir: pathlib.Path, adapters: dict[str, str]):
     from app.config import parse_args
     from app.replica import LoraReplica, ReplicaSettings
 
-    autoscaling = {"min_replicas": 1, "initial_replicas": REPLICAS, "max_replicas": REPLICAS,
-                   "metrics_interval_s": 0.5, "look_back_period_s": 2.0, **DELAYS}
-    args = {"model": str(model_dir), "dtype": "bfloat16", "device": "cuda", "max_batch_size": MAX_BATCH,
-            "num_kv_blocks": 1024, "max_loras": 16, "max_model_len": 1024,
-            "replica": {"autoscaling_config": autoscaling, "max_ongoing_requests": MAX_BATCH,
-                        "ray_actor_options": {"num_gpus": 1 / REPLICAS, "num_cpus": 1}}}
+    autoscaling = {
+        "min_replicas": 1,
+        "initial_replicas": REPLICAS,
+        "max_replicas": REPLICAS,
+        "metrics_interval_s": 0.5,
+        "look_back_period_s": 2.0,
+        **DELAYS,
+    }
+    args = {
+        "model": str(model_dir),
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "max_batch_size": MAX_BATCH,
+        "num_kv_blocks": 1024,
+        "max_loras": 16,
+        "max_model_len": 1024,
+        "replica": {
+            "autoscaling_config": autoscaling,
+            "max_ongoing_requests": MAX_BATCH,
+            "ray_actor_options": {"num_gpus": 1 / REPLICAS, "num_cpus": 1},
+        },
+    }
     s = parse_args(args, "random-smollm2")
     settings = ReplicaSettings(str(model_dir), s.engine, (), migrate_locally=False)
     return LoraReplica.options(**s.replica_options).bind(
-        settings, None, functools.partial(gpu_engine, str(model_dir), adapters))
+        settings, None, functools.partial(gpu_engine, str(model_dir), adapters)
+    )
 
 
 def main():
@@ -92,15 +118,29 @@ def main():
     serve.start()
     arrivals = trace(a.duration, a.peak_rps, seed=13)
     print(f"loraplex on {REPLICAS} GPU replicas: {len(arrivals)} requests over {a.duration:g} s", flush=True)
-    result = asyncio.run(run_policy("loraplex", arrivals, gpu_replica(model_dir, adapters), MAX_BATCH, NEW_TOKENS,
-                                    vocab=49152, step=None))
+    result = asyncio.run(
+        run_policy(
+            "loraplex", arrivals, gpu_replica(model_dir, adapters), MAX_BATCH, NEW_TOKENS, vocab=49152, step=None
+        )
+    )
     serve.shutdown()
     ray.shutdown()
-    out = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-           "model": "SmolLM2-135M shape, random bf16 weights, no tokenizer", "replicas_per_gpu": REPLICAS,
-           "num_gpus_per_replica": 1 / REPLICAS, "max_batch": MAX_BATCH, "new_tokens": NEW_TOKENS,
-           "adapters": ADAPTERS, "distinct_adapter_weights": DISTINCT, "zipf": ZIPF, "delays": DELAYS,
-           "duration_s": a.duration, "peak_rps": a.peak_rps, "loraplex": result}
+    out = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "model": "SmolLM2-135M shape, random bf16 weights, no tokenizer",
+        "replicas_per_gpu": REPLICAS,
+        "num_gpus_per_replica": 1 / REPLICAS,
+        "max_batch": MAX_BATCH,
+        "new_tokens": NEW_TOKENS,
+        "adapters": ADAPTERS,
+        "distinct_adapter_weights": DISTINCT,
+        "zipf": ZIPF,
+        "delays": DELAYS,
+        "duration_s": a.duration,
+        "peak_rps": a.peak_rps,
+        "loraplex": result,
+    }
     a.out.write_text(json.dumps(out, indent=1))
     print({k: v for k, v in result.items() if k != "timeline"})
 

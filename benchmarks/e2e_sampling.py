@@ -16,6 +16,7 @@ of building the step's parameters and queueing the draw, and the GPU time of the
 CUDA graph (which also shows the draw has no host sync: capture would fail on one).
 Writes <out>_sampling.json and .png next to e2e_throughput's --out.
 """
+
 import dataclasses
 import datetime
 import json
@@ -63,7 +64,9 @@ def sampler_timing(batch: int, vocab: int, reps: int = 50) -> list[dict]:
     staging, out = Staging("cuda"), []
     logits = torch.randn(batch, vocab, device="cuda") * 3
     for variant in VARIANTS:
-        seqs = [Sequence(GenerateRequest(f"s{i}", (1,) * 128, _params(variant, i, 128)), 1000 + i, i) for i in range(batch)]
+        seqs = [
+            Sequence(GenerateRequest(f"s{i}", (1,) * 128, _params(variant, i, 128)), 1000 + i, i) for i in range(batch)
+        ]
         host = []
         for _ in range(reps):
             torch.cuda.synchronize()
@@ -77,8 +80,10 @@ def sampler_timing(batch: int, vocab: int, reps: int = 50) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 (a host sync inside the draw fails the capture: recorded as the result)
             gpu = f"capture failed: {str(exc).splitlines()[0]}"
         out.append(dict(batch=batch, variant=variant, host_ms=1e3 * float(np.median(host)), gpu_ms=gpu))
-        print(f"  sampler batch {batch} {variant:22s} host {out[-1]['host_ms']:.3f} ms  gpu {gpu if isinstance(gpu, str) else f'{gpu:.3f} ms'}",
-              flush=True)
+        print(
+            f"  sampler batch {batch} {variant:22s} host {out[-1]['host_ms']:.3f} ms  gpu {gpu if isinstance(gpu, str) else f'{gpu:.3f} ms'}",
+            flush=True,
+        )
     return out
 
 
@@ -95,34 +100,74 @@ def run(args, e2e):
     weights = e2e.random_weights(cfg)
     names = e2e.adapters(cfg, args.requests)
     rows, timing = [], []
-    data = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), requests=args.requests,
-                lengths="128/128", rows=rows, sampler=timing)
+    data = dict(
+        device=torch.cuda.get_device_name(),
+        date=datetime.date.today().isoformat(),
+        requests=args.requests,
+        lengths="128/128",
+        rows=rows,
+        sampler=timing,
+    )
     for batch in BATCHES:
         pool = LoraPool(cfg.shape, PoolConfig(batch, 16, torch.float16, "cuda"))
         model = LlamaModel(cfg, weights, pool)
         engine, startup = e2e.engine_for(model, batch, args.requests)
         print(f"max batch {batch}: engine start {startup:.1f} s", flush=True)
         for variant in VARIANTS:  # warm-up: every kernel the variants use, at full batch
-            e2e.run_workload(engine, names, "backbone", batch, [(16, 8)] * batch, random.Random(0),
-                             params=lambda i, new, v=variant: _params(v, i, new))
+            e2e.run_workload(
+                engine,
+                names,
+                "backbone",
+                batch,
+                [(16, 8)] * batch,
+                random.Random(0),
+                params=lambda i, new, v=variant: _params(v, i, new),
+            )
         for workload in WORKLOADS:
             # a discarded full-size greedy run first: the first run of a workload pays for its cold
             # adapter loads and allocator growth (it measured 0.88x the same greedy run repeated)
-            e2e.run_workload(engine, names, workload, args.requests, [(128, 128)] * args.requests,
-                             random.Random(f"{workload}{batch}"), params=lambda i, new: _params("greedy", i, new))
+            e2e.run_workload(
+                engine,
+                names,
+                workload,
+                args.requests,
+                [(128, 128)] * args.requests,
+                random.Random(f"{workload}{batch}"),
+                params=lambda i, new: _params("greedy", i, new),
+            )
             greedy = None
             for variant in VARIANTS:
                 rng = random.Random(f"{workload}{batch}")  # the same prompts and adapters for every variant
                 generated, wall, steps, ahead = e2e.run_workload(
-                    engine, names, workload, args.requests, [(128, 128)] * args.requests, rng,
-                    params=lambda i, new, v=variant: _params(v, i, new))
+                    engine,
+                    names,
+                    workload,
+                    args.requests,
+                    [(128, 128)] * args.requests,
+                    rng,
+                    params=lambda i, new, v=variant: _params(v, i, new),
+                )
                 tok_s = generated / wall
                 greedy = greedy or tok_s
-                rows.append(dict(max_batch=batch, workload=workload, variant=variant, tok_s=tok_s,
-                                 ratio_to_greedy=tok_s / greedy, target=TARGETS.get(variant, 0.95),
-                                 generated=generated, wall_s=wall, steps=len(steps), steps_launched_ahead=ahead))
-                print(f"  {workload:9s} {variant:22s} {tok_s:8.0f} tok/s  {tok_s / greedy:5.2f}x greedy  "
-                      f"{len(steps)} steps ({ahead} launched ahead) {wall:.2f} s", flush=True)
+                rows.append(
+                    dict(
+                        max_batch=batch,
+                        workload=workload,
+                        variant=variant,
+                        tok_s=tok_s,
+                        ratio_to_greedy=tok_s / greedy,
+                        target=TARGETS.get(variant, 0.95),
+                        generated=generated,
+                        wall_s=wall,
+                        steps=len(steps),
+                        steps_launched_ahead=ahead,
+                    )
+                )
+                print(
+                    f"  {workload:9s} {variant:22s} {tok_s:8.0f} tok/s  {tok_s / greedy:5.2f}x greedy  "
+                    f"{len(steps)} steps ({ahead} launched ahead) {wall:.2f} s",
+                    flush=True,
+                )
         out.write_text(json.dumps(data, indent=1))
         del engine, model, pool
         torch.cuda.empty_cache()
@@ -132,8 +177,10 @@ def run(args, e2e):
         out.write_text(json.dumps(data, indent=1))
     print(f"\n{'batch':>5s} {'workload':10s} {'variant':22s} {'tok/s':>8s} {'x greedy':>8s} target")
     for r in rows:
-        print(f"{r['max_batch']:5d} {r['workload']:10s} {r['variant']:22s} {r['tok_s']:8.0f} {r['ratio_to_greedy']:8.2f} "
-              f"{r['target']:.2f}")
+        print(
+            f"{r['max_batch']:5d} {r['workload']:10s} {r['variant']:22s} {r['tok_s']:8.0f} {r['ratio_to_greedy']:8.2f} "
+            f"{r['target']:.2f}"
+        )
 
 
 def plot(data, png):
@@ -147,10 +194,17 @@ def plot(data, png):
     for ax, (b, w) in zip(axes[0], panels):
         rows = [r for r in data["rows"] if r["max_batch"] == b and r["workload"] == w]
         x = np.arange(len(rows))
-        ax.bar(x, [r["ratio_to_greedy"] for r in rows], color=["C0" if r["variant"].startswith("greedy") else "C1" for r in rows])
+        ax.bar(
+            x,
+            [r["ratio_to_greedy"] for r in rows],
+            color=["C0" if r["variant"].startswith("greedy") else "C1" for r in rows],
+        )
         for target in sorted({r["target"] for r in rows}):
             ax.axhline(target, ls="--", color="gray", lw=0.8)
         ax.set(xticks=x, title=f"max batch {b}, {w}", ylabel="tok/s ÷ greedy", ylim=(0, 1.15))
         ax.set_xticklabels([r["variant"] for r in rows], rotation=60, ha="right", fontsize=7)
-    save_figure(fig, f"Sampled vs greedy decoding, Llama-2-7B shape fp16, {data['requests']} requests 128/128, "
-                     f"{data['device']}", png)
+    save_figure(
+        fig,
+        f"Sampled vs greedy decoding, Llama-2-7B shape fp16, {data['requests']} requests 128/128, {data['device']}",
+        png,
+    )

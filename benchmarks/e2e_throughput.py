@@ -24,6 +24,7 @@ the copy bandwidth measured here, plus prefill FLOPs (2·params per token + atte
 the fp16 matmul rate measured here. benchmarks/step_profile.py gives the step-time breakdown
 of full-batch decode steps (wall time; attention / GEMMs / LoRA / other from a torch profile).
 """
+
 import argparse
 import dataclasses
 import datetime
@@ -50,9 +51,12 @@ SHAPE = dict(vocab=32000, hidden=4096, inter=11008, layers=32, heads=32, kv_head
 # --shape: real checkpoints' shapes (random weights); `family` picks the traits (Qwen2: q/k/v bias)
 SHAPES = {
     "llama2-7b": dict(SHAPE, family="llama"),
-    "llama3-8b": dict(vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, head_dim=128, family="llama"),
-    "qwen2.5-7b": dict(vocab=152064, hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128,
-                       family="qwen2"),
+    "llama3-8b": dict(
+        vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, head_dim=128, family="llama"
+    ),
+    "qwen2.5-7b": dict(
+        vocab=152064, hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128, family="qwen2"
+    ),
 }
 SHAPE_NAME = "llama2-7b"
 
@@ -64,10 +68,23 @@ def model_config():
     from app.model.family import FAMILIES
 
     family = SHAPE.get("family", "llama")
-    return ModelConfig(SHAPE["vocab"], SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"], SHAPE["heads"],
-                       SHAPE["kv_heads"], d, 1e-5, False, 4096,
-                       1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), 1.0, (), family=family,
-                       traits=FAMILIES[family])
+    return ModelConfig(
+        SHAPE["vocab"],
+        SHAPE["hidden"],
+        SHAPE["inter"],
+        SHAPE["layers"],
+        SHAPE["heads"],
+        SHAPE["kv_heads"],
+        d,
+        1e-5,
+        False,
+        4096,
+        1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)),
+        1.0,
+        (),
+        family=family,
+        traits=FAMILIES[family],
+    )
 
 
 def random_weights(cfg, dtype=torch.float16, device="cuda"):
@@ -78,9 +95,15 @@ def random_weights(cfg, dtype=torch.float16, device="cuda"):
     ones = lambda: (1 + 0.1 * torch.randn(cfg.hidden_size, device=device, generator=g)).to(dtype)  # noqa: E731
     h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
     q = cfg.num_heads * cfg.head_dim
-    layers = [LayerWeights(ones(), ones(), {"qkv": rnd(q + 2 * kv, h), "o": rnd(h, q), "gate_up": rnd(2 * i, h),
-                                            "down": rnd(h, i)},
-                           bias={"qkv": rnd(q + 2 * kv)} if cfg.traits.qkv_bias else {}) for _ in range(cfg.num_layers)]
+    layers = [
+        LayerWeights(
+            ones(),
+            ones(),
+            {"qkv": rnd(q + 2 * kv, h), "o": rnd(h, q), "gate_up": rnd(2 * i, h), "down": rnd(h, i)},
+            bias={"qkv": rnd(q + 2 * kv)} if cfg.traits.qkv_bias else {},
+        )
+        for _ in range(cfg.num_layers)
+    ]
     return ModelWeights(rnd(cfg.vocab_size, h), rnd(cfg.vocab_size, h), ones(), layers)
 
 
@@ -93,8 +116,11 @@ def adapters(cfg, names: int, rank=16, distinct=8):
     g = torch.Generator().manual_seed(1)
     sets = []
     for k in range(min(distinct, names)):
-        tensors = {(layer, m): (torch.randn(rank, d_in, generator=g) * 0.01, torch.randn(d_out, rank, generator=g) * 0.01)
-                   for layer in range(cfg.num_layers) for m, (d_in, d_out) in cfg.module_dims.items()}
+        tensors = {
+            (layer, m): (torch.randn(rank, d_in, generator=g) * 0.01, torch.randn(d_out, rank, generator=g) * 0.01)
+            for layer in range(cfg.num_layers)
+            for m, (d_in, d_out) in cfg.module_dims.items()
+        }
         w = LoraWeights(f"w{k}", "1", AdapterManifest(rank, 2.0 * rank, False, MODULES), tensors)
         sets.append(pack(w, pin=torch.cuda.is_available(), dtype=torch.float16))
     return [dataclasses.replace(sets[k % len(sets)], name=f"a{k}") for k in range(names)]
@@ -170,8 +196,16 @@ def engine_for(model, max_batch, num_requests):
     from app.engine.config import EngineConfig
     from app.engine.core import EngineCore
 
-    cfg = EngineConfig(max_num_seqs=max_batch, max_tokens_per_step=2048, num_kv_blocks=max_batch * KV_BLOCKS_PER_SEQ + 64,
-                       max_loras=max_batch, max_lora_rank=16, dtype=torch.float16, device="cuda", max_model_len=4096)
+    cfg = EngineConfig(
+        max_num_seqs=max_batch,
+        max_tokens_per_step=2048,
+        num_kv_blocks=max_batch * KV_BLOCKS_PER_SEQ + 64,
+        max_loras=max_batch,
+        max_lora_rank=16,
+        dtype=torch.float16,
+        device="cuda",
+        max_model_len=4096,
+    )
     start = time.perf_counter()
     engine = EngineCore(model, None, None, cfg)
     return engine, time.perf_counter() - start
@@ -185,6 +219,7 @@ def lengths(kind: str, n: int, rng: random.Random) -> list[tuple[int, int]]:
 
     def draw(mean):
         return min(g["hi"], max(g["lo"], round(rng.lognormvariate(math.log(mean) - g["sigma"] ** 2 / 2, g["sigma"]))))
+
     return [(draw(g["prompt"]), draw(g["output"])) for _ in range(n)]
 
 
@@ -200,8 +235,12 @@ def run_workload(engine, pool_adapters, workload, n, sizes, rng, params=None):
     torch.cuda.synchronize()
     start = time.perf_counter()
     for i, (a, (prompt, new)) in enumerate(zip(which, sizes)):
-        req = GenerateRequest(f"{workload}{i}", tuple(rng.randrange(32000) for _ in range(prompt)),
-                              params(i, new), None if a is None else f"a{a}")
+        req = GenerateRequest(
+            f"{workload}{i}",
+            tuple(rng.randrange(32000) for _ in range(prompt)),
+            params(i, new),
+            None if a is None else f"a{a}",
+        )
         engine.add(req, adapter=None if a is None else pool_adapters[a])
     generated = 0
     while engine.has_work():
@@ -218,8 +257,10 @@ def plot(data, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["max_batch"], r["lengths"]) for r in data["rows"] if r["system"] == "loraplex"},
-                    key=lambda p: (p[1] != "128/128", p[0]))
+    panels = sorted(
+        {(r["max_batch"], r["lengths"]) for r in data["rows"] if r["system"] == "loraplex"},
+        key=lambda p: (p[1] != "128/128", p[0]),
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (b, kind) in zip(axes[0], panels):
         ours = [r for r in data["rows"] if r["system"] == "loraplex" and r["max_batch"] == b and r["lengths"] == kind]
@@ -228,22 +269,32 @@ def plot(data, png):
         ax.bar(x + 0.2, [r["roofline_tok_s"] for r in ours], 0.4, label="roofline", alpha=0.5)
         for r in data["rows"]:
             if r["system"] != "loraplex" and r["max_batch"] == b and r["lengths"] == kind:
-                ax.axhline(r["tok_s"], ls="--", color="gray" if r["system"] == "hf" else "red",
-                           label=f"{r['system']} {r['workload']}")
+                ax.axhline(
+                    r["tok_s"],
+                    ls="--",
+                    color="gray" if r["system"] == "hf" else "red",
+                    label=f"{r['system']} {r['workload']}",
+                )
         ax.set(xticks=x, title=f"max batch {b}, prompt / new {kind}", ylabel="tokens / s")
         ax.set_xticklabels([r["workload"] for r in ours])
         ax.legend(fontsize=7)
-    save_figure(fig, f"{data.get('shape', 'llama2-7b')} shape fp16, rank 16, {data['requests']} requests, {data['device']}", png)
+    save_figure(
+        fig, f"{data.get('shape', 'llama2-7b')} shape fp16, rank 16, {data['requests']} requests, {data['device']}", png
+    )
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results" / "e2e_throughput_h200.json")
+    ap.add_argument(
+        "--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results" / "e2e_throughput_h200.json"
+    )
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--batches", default="32,64")
     ap.add_argument("--sharegpt-batches", default="32", help="max batches that also run ShareGPT-like lengths")
     ap.add_argument("--plot-only", action="store_true")
-    ap.add_argument("--sampling", action="store_true", help="sampled vs greedy decoding instead (benchmarks/e2e_sampling.py)")
+    ap.add_argument(
+        "--sampling", action="store_true", help="sampled vs greedy decoding instead (benchmarks/e2e_sampling.py)"
+    )
     ap.add_argument("--shape", choices=sorted(SHAPES), default=SHAPE_NAME, help="model shape (random weights)")
     args = ap.parse_args()
     if args.shape != SHAPE_NAME:
@@ -269,8 +320,17 @@ def main():
     names = adapters(cfg, args.requests)
     adapter_bytes = 2 * 16 * sum(i + o for i, o in cfg.module_dims.values()) * cfg.num_layers
     rows, breakdown, capture = [], [], {}
-    data = dict(shape=args.shape, device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), requests=args.requests,
-                copy_bandwidth_Bps=bw, matmul_flops=rate, startup=capture, breakdown=breakdown, rows=rows)
+    data = dict(
+        shape=args.shape,
+        device=torch.cuda.get_device_name(),
+        date=datetime.date.today().isoformat(),
+        requests=args.requests,
+        copy_bandwidth_Bps=bw,
+        matmul_flops=rate,
+        startup=capture,
+        breakdown=breakdown,
+        rows=rows,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save = lambda: args.out.write_text(json.dumps(data, indent=1))  # noqa: E731  (after every part)
     sharegpt_batches = {int(b) for b in args.sharegpt_batches.split(",") if b}
@@ -286,13 +346,26 @@ def main():
                 sizes = lengths(kind, args.requests, rng)
                 generated, wall, steps, ahead = run_workload(engine, names, workload, args.requests, sizes, rng)
                 roof = generated / roofline_seconds(steps, cfg, bw, rate, adapter_bytes)
-                rows.append(dict(system="loraplex", workload=workload, max_batch=batch, tok_s=generated / wall,
-                                 roofline_tok_s=roof, lengths=kind, steps=len(steps), steps_launched_ahead=ahead,
-                                 wall_s=wall, mean_prompt=float(np.mean([p for p, _ in sizes])),
-                                 mean_new=float(np.mean([n for _, n in sizes]))))
-                print(f"  {kind:8s} {workload:9s} {generated / wall:8.0f} tok/s  roofline {roof:8.0f}  "
-                      f"({100 * generated / wall / roof:.0f} %)  {len(steps)} steps ({ahead} launched ahead) {wall:.2f} s",
-                      flush=True)
+                rows.append(
+                    dict(
+                        system="loraplex",
+                        workload=workload,
+                        max_batch=batch,
+                        tok_s=generated / wall,
+                        roofline_tok_s=roof,
+                        lengths=kind,
+                        steps=len(steps),
+                        steps_launched_ahead=ahead,
+                        wall_s=wall,
+                        mean_prompt=float(np.mean([p for p, _ in sizes])),
+                        mean_new=float(np.mean([n for _, n in sizes])),
+                    )
+                )
+                print(
+                    f"  {kind:8s} {workload:9s} {generated / wall:8.0f} tok/s  roofline {roof:8.0f}  "
+                    f"({100 * generated / wall / roof:.0f} %)  {len(steps)} steps ({ahead} launched ahead) {wall:.2f} s",
+                    flush=True,
+                )
             save()
         for workload in ("backbone", "identical", "distinct"):
             rng = random.Random(5)
@@ -305,15 +378,27 @@ def main():
     torch.cuda.empty_cache()
     for batch in map(int, args.batches.split(",")):
         for system, workload, tok_s in hf_peers(cfg, batch, 128, 128, 16, MODULES):
-            rows.append(dict(system=system, workload=workload, max_batch=batch, tok_s=tok_s, roofline_tok_s=None,
-                             lengths="128/128"))
+            rows.append(
+                dict(
+                    system=system,
+                    workload=workload,
+                    max_batch=batch,
+                    tok_s=tok_s,
+                    roofline_tok_s=None,
+                    lengths="128/128",
+                )
+            )
             print(f"  {system:8s} {workload:9s} batch {batch}: {tok_s:8.0f} tok/s", flush=True)
     save()
     plot(data, args.out.with_suffix(".png"))
     print(f"\n{'system':9s} {'workload':10s} {'lengths':8s} {'batch':>5s} {'tok/s':>8s} {'roofline':>9s} {'%':>4s}")
     for r in rows:
-        roof = f"{r['roofline_tok_s']:9.0f} {100 * r['tok_s'] / r['roofline_tok_s']:4.0f}" if r["roofline_tok_s"] else ""
-        print(f"{r['system']:9s} {r['workload']:10s} {r.get('lengths', '128/128'):8s} {r['max_batch']:5d} {r['tok_s']:8.0f} {roof}")
+        roof = (
+            f"{r['roofline_tok_s']:9.0f} {100 * r['tok_s'] / r['roofline_tok_s']:4.0f}" if r["roofline_tok_s"] else ""
+        )
+        print(
+            f"{r['system']:9s} {r['workload']:10s} {r.get('lengths', '128/128'):8s} {r['max_batch']:5d} {r['tok_s']:8.0f} {roof}"
+        )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ For each real tokenizer on this machine (SmolLM2's 49,152 tokens, the default mo
   token accept calls beside it.
 Each figure is the median over --repeat runs (this 2-core machine is shared: one run's tail moves).
 """
+
 import argparse
 import json
 import os
@@ -58,8 +59,9 @@ class LLGuidance:
 
     def compile(self, schema_text: str):
         grammar = self.llg.LLMatcher.grammar_from_json_schema(
-            schema_text, overrides={"whitespace_flexible": False, "item_separator": SEPARATORS[0],
-                                    "key_separator": SEPARATORS[1]})
+            schema_text,
+            overrides={"whitespace_flexible": False, "item_separator": SEPARATORS[0], "key_separator": SEPARATORS[1]},
+        )
         matcher = self.llg.LLMatcher(self.tok, grammar)
         assert not matcher.is_error(), matcher.get_error()
         return matcher
@@ -143,8 +145,11 @@ class Clock:
         self.cpu.append(time.process_time() - self._start[1])
 
     def stats(self, name: str, qs=(50, 99)) -> dict:
-        return {f"{name}_{kind}_ms_p{q}": pct(values, q) for kind, values in (("wall", self.wall), ("cpu", self.cpu))
-                for q in qs}
+        return {
+            f"{name}_{kind}_ms_p{q}": pct(values, q)
+            for kind, values in (("wall", self.wall), ("cpu", self.cpu))
+            for q in qs
+        }
 
 
 def measure(engine, schemas: list[str]) -> dict:
@@ -170,15 +175,20 @@ def measure(engine, schemas: list[str]) -> dict:
             if engine.done(m):
                 matchers[i] = engine.fresh(compiled[i % len(compiled)])
                 finished += 1
-    return {**compile_clock.stats("compile", (50, 99, 100)), **fill_clock.stats("mask64"),
-            **accept_clock.stats("accept64", (50,)), "outputs_finished": finished}
+    return {
+        **compile_clock.stats("compile", (50, 99, 100)),
+        **fill_clock.stats("mask64"),
+        **accept_clock.stats("accept64", (50,)),
+        "outputs_finished": finished,
+    }
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", type=pathlib.Path,
-                    default=pathlib.Path(__file__).parent / "results" / "grammar_engines.json")
+    ap.add_argument(
+        "--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results" / "grammar_engines.json"
+    )
     args = ap.parse_args()
     schemas = [json.dumps(s, sort_keys=True) for s in random_schemas(50)]
     rows = []
@@ -189,19 +199,39 @@ def main():
                 start = time.perf_counter()
                 engine = cls(tok)
                 runs.append({"tokenizer_info_s": time.perf_counter() - start, **measure(engine, schemas)})
-            row = {"tokenizer": tok_name, "vocab": engine.vocab, "engine": cls.name,
-                   **{k: float(np.median([r[k] for r in runs])) for k in runs[0]}}
+            row = {
+                "tokenizer": tok_name,
+                "vocab": engine.vocab,
+                "engine": cls.name,
+                **{k: float(np.median([r[k] for r in runs])) for k in runs[0]},
+            }
             rows.append(row)
             print(row, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cpus": os.cpu_count(), "batch": BATCH, "steps": STEPS, "repeat": args.repeat,
-                                    "rows": rows}, indent=1))
-    cols = ["compile_cpu_ms_p50", "compile_cpu_ms_p99", "compile_wall_ms_p99", "mask64_cpu_ms_p50", "mask64_cpu_ms_p99",
-            "mask64_wall_ms_p50", "mask64_wall_ms_p99", "accept64_cpu_ms_p50"]
-    print(f"\n{os.cpu_count()} CPUs; median of {args.repeat} runs; ms\n{'tokenizer':12s} {'engine':10s} {'info s':>6s} "
-          + " ".join(f"{c.replace('_ms', ''):>18s}" for c in cols))
+    args.out.write_text(
+        json.dumps(
+            {"cpus": os.cpu_count(), "batch": BATCH, "steps": STEPS, "repeat": args.repeat, "rows": rows}, indent=1
+        )
+    )
+    cols = [
+        "compile_cpu_ms_p50",
+        "compile_cpu_ms_p99",
+        "compile_wall_ms_p99",
+        "mask64_cpu_ms_p50",
+        "mask64_cpu_ms_p99",
+        "mask64_wall_ms_p50",
+        "mask64_wall_ms_p99",
+        "accept64_cpu_ms_p50",
+    ]
+    print(
+        f"\n{os.cpu_count()} CPUs; median of {args.repeat} runs; ms\n{'tokenizer':12s} {'engine':10s} {'info s':>6s} "
+        + " ".join(f"{c.replace('_ms', ''):>18s}" for c in cols)
+    )
     for r in rows:
-        print(f"{r['tokenizer']:12s} {r['engine']:10s} {r['tokenizer_info_s']:6.2f} " + " ".join(f"{r[c]:18.2f}" for c in cols))
+        print(
+            f"{r['tokenizer']:12s} {r['engine']:10s} {r['tokenizer_info_s']:6.2f} "
+            + " ".join(f"{r[c]:18.2f}" for c in cols)
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The end-to-end benchmark's peers (benchmarks/e2e_throughput.py): HF transformers `generate`
 backbone-only on one batch, and HF + PEFT with `adapter_names` on a mixed batch of 8 adapters,
 same model shape (random init) and prompt length."""
+
 import time
 
 import torch
@@ -12,10 +13,18 @@ def hf_peers(cfg, batch, prompt, new, peft_new, modules):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                     num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                     num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=4096, eos_token_id=None,
-                     pad_token_id=0, tie_word_embeddings=False)
+    hc = LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=4096,
+        eos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     with torch.device("cuda"):
         model = LlamaForCausalLM(hc).to(torch.float16).eval()
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
@@ -31,7 +40,9 @@ def hf_peers(cfg, batch, prompt, new, peft_new, modules):
 
     with torch.no_grad():
         rows.append(("hf", "backbone", gen(model, new)))
-        lcfg = LoraConfig(r=16, lora_alpha=32, target_modules=list(modules), init_lora_weights=False, task_type="CAUSAL_LM")
+        lcfg = LoraConfig(
+            r=16, lora_alpha=32, target_modules=list(modules), init_lora_weights=False, task_type="CAUSAL_LM"
+        )
         peft = get_peft_model(model, lcfg, adapter_name="p0")
         for k in range(1, 8):
             peft.add_adapter(f"p{k}", lcfg)

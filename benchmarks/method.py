@@ -1,6 +1,7 @@
 """The timing method and plot style every SGMV benchmark shares (benchmarks/sgmv.py's method):
 one CUDA graph replayed behind an L2 flush, median of CUDA-event timings; log-log latency
 against batch size."""
+
 import numpy as np
 import torch
 

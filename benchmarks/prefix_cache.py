@@ -18,6 +18,7 @@ random user tokens, 128 new tokens (greedy, no stop). Two engines on one model, 
 Cross-adapter hits are impossible by construction (app/engine/prefix_cache.py); the JSON records
 the hit tokens per adapter name, each tenant's only from its own requests.
 """
+
 import argparse
 import datetime
 import json
@@ -42,8 +43,17 @@ def engine_for(model, cache: bool):
     from app.engine.config import EngineConfig
     from app.engine.core import EngineCore
 
-    cfg = EngineConfig(max_num_seqs=BATCH, max_tokens_per_step=2048, num_kv_blocks=KV_BLOCKS, max_loras=TENANTS,
-                       max_lora_rank=16, dtype=torch.float16, device="cuda", max_model_len=4096, prefix_caching=cache)
+    cfg = EngineConfig(
+        max_num_seqs=BATCH,
+        max_tokens_per_step=2048,
+        num_kv_blocks=KV_BLOCKS,
+        max_loras=TENANTS,
+        max_lora_rank=16,
+        dtype=torch.float16,
+        device="cuda",
+        max_model_len=4096,
+        prefix_caching=cache,
+    )
     return EngineCore(model, None, None, cfg)
 
 
@@ -90,10 +100,17 @@ def run(engine, names, reqs, arrivals):
     tpot = [(last[r] - first[r]) / (count[r] - 1) for r in first if count[r] > 1]
     hits = sum(engine.prefix.hit_tokens.values()) - hit0
     queried = sum(engine.prefix.query_tokens.values()) - query0
-    return dict(requests=len(reqs), wall_s=wall, tok_s=sum(count.values()) / wall, req_s=len(reqs) / wall,
-                ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)),
-                tpot_mean_s=float(np.mean(tpot)), tpot_p99_s=float(np.percentile(tpot, 99)),
-                hit_rate=hits / queried if queried else 0.0)
+    return dict(
+        requests=len(reqs),
+        wall_s=wall,
+        tok_s=sum(count.values()) / wall,
+        req_s=len(reqs) / wall,
+        ttft_p50_s=float(np.percentile(ttft, 50)),
+        ttft_p99_s=float(np.percentile(ttft, 99)),
+        tpot_mean_s=float(np.mean(tpot)),
+        tpot_p99_s=float(np.percentile(tpot, 99)),
+        hit_rate=hits / queried if queried else 0.0,
+    )
 
 
 def plot(data, png):
@@ -102,21 +119,30 @@ def plot(data, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [("trace", "TTFT p50 (s)", "ttft_p50_s"), ("trace", "TTFT p99 (s)", "ttft_p99_s"),
-             ("trace", "TPOT mean (ms)", "tpot_mean_s"), ("saturation", "throughput (tok/s)", "tok_s"),
-             ("no_shared_prefix", "no shared prefix: tok/s", "tok_s")]
+    parts = [
+        ("trace", "TTFT p50 (s)", "ttft_p50_s"),
+        ("trace", "TTFT p99 (s)", "ttft_p99_s"),
+        ("trace", "TPOT mean (ms)", "tpot_mean_s"),
+        ("saturation", "throughput (tok/s)", "tok_s"),
+        ("no_shared_prefix", "no shared prefix: tok/s", "tok_s"),
+    ]
     fig, axes = plt.subplots(1, len(parts), figsize=(3.2 * len(parts), 3.2))
     for ax, (part, title, key) in zip(axes, parts):
         vals = [data[part][m][key] * (1e3 if key.startswith("tpot") else 1) for m in ("off", "on")]
         ax.bar(["cache off", "cache on"], vals, color=["#999999", "#2a7ab9"])
         ax.set_title(title, fontsize=9)
-    save_figure(fig, f"prefix cache, {TENANTS} tenants x {SYSTEM}-token system prompts, Llama-2-7B shape fp16, "
-                     f"{data['device']}", png)
+    save_figure(
+        fig,
+        f"prefix cache, {TENANTS} tenants x {SYSTEM}-token system prompts, Llama-2-7B shape fp16, {data['device']}",
+        png,
+    )
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results" / "prefix_cache_h200.json")
+    ap.add_argument(
+        "--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results" / "prefix_cache_h200.json"
+    )
     ap.add_argument("--trace-s", type=float, default=30.0)
     ap.add_argument("--saturation-requests", type=int, default=96)
     ap.add_argument("--plot-only", action="store_true")
@@ -133,18 +159,32 @@ def main():
     engines = {"off": engine_for(model, False), "on": engine_for(model, True)}
     rng = random.Random(0)
     systems = [tuple(rng.randrange(32000) for _ in range(SYSTEM)) for _ in range(TENANTS)]
-    data = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), tenants=TENANTS,
-                system_tokens=SYSTEM, user_tokens=USER, new_tokens=NEW, max_batch=BATCH, kv_blocks=KV_BLOCKS,
-                load=LOAD, saturation={}, trace={}, no_shared_prefix={})
+    data = dict(
+        device=torch.cuda.get_device_name(),
+        date=datetime.date.today().isoformat(),
+        tenants=TENANTS,
+        system_tokens=SYSTEM,
+        user_tokens=USER,
+        new_tokens=NEW,
+        max_batch=BATCH,
+        kv_blocks=KV_BLOCKS,
+        load=LOAD,
+        saturation={},
+        trace={},
+        no_shared_prefix={},
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save = lambda: args.out.write_text(json.dumps(data, indent=1))  # noqa: E731
 
     def report(part, mode, r):
         data[part][mode] = r
         save()
-        print(f"{part:17s} cache {mode:3s}: {r['requests']} req {r['wall_s']:.1f} s {r['tok_s']:.0f} tok/s "
-              f"TTFT p50 {r['ttft_p50_s']:.3f} p99 {r['ttft_p99_s']:.3f} s TPOT {1e3 * r['tpot_mean_s']:.1f} ms "
-              f"hit rate {r['hit_rate']:.2f}", flush=True)
+        print(
+            f"{part:17s} cache {mode:3s}: {r['requests']} req {r['wall_s']:.1f} s {r['tok_s']:.0f} tok/s "
+            f"TTFT p50 {r['ttft_p50_s']:.3f} p99 {r['ttft_p99_s']:.3f} s TPOT {1e3 * r['tpot_mean_s']:.1f} ms "
+            f"hit rate {r['hit_rate']:.2f}",
+            flush=True,
+        )
 
     for engine in engines.values():  # first-use costs (allocator, kernels) out of the timed parts
         run(engine, names, requests(8, random.Random(9), None, "w"), [0.0] * 8)
@@ -165,9 +205,11 @@ def main():
     data["hit_tokens_by_adapter"] = dict(on.hit_tokens)
     data["query_tokens_by_adapter"] = dict(on.query_tokens)
     t, s, u = data["trace"], data["saturation"], data["no_shared_prefix"]
-    data["summary"] = dict(ttft_p50_speedup=t["off"]["ttft_p50_s"] / t["on"]["ttft_p50_s"],
-                           saturation_throughput_ratio=s["on"]["tok_s"] / s["off"]["tok_s"],
-                           no_shared_prefix_throughput_ratio=u["on"]["tok_s"] / u["off"]["tok_s"])
+    data["summary"] = dict(
+        ttft_p50_speedup=t["off"]["ttft_p50_s"] / t["on"]["ttft_p50_s"],
+        saturation_throughput_ratio=s["on"]["tok_s"] / s["off"]["tok_s"],
+        no_shared_prefix_throughput_ratio=u["on"]["tok_s"] / u["off"]["tok_s"],
+    )
     save()
     print(json.dumps(data["summary"], indent=1))
     plot(data, args.out.with_suffix(".png"))

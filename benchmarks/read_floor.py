@@ -6,6 +6,7 @@ benchmarks/sgmv.py times the add-on: a one-kernel CUDA graph replayed behind the
 256 MiB L2 flush. The fastest of torch.sum and a Triton block-sum at three block
 sizes is reported, so the floor is not one library's weakness.
 """
+
 import functools
 
 import torch

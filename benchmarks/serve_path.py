@@ -14,6 +14,7 @@ request of MAX_TOKENS in flight. The engine alone could give CLIENTS / STEP_S to
 path, not the engine, is what is measured. ROUNDS alternate before/after, as the machine's
 other load comes and goes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,12 @@ PROCESSES = {"replica": "ServeReplica:path:LoraReplica", "ingress": "ServeReplic
 
 def _pids() -> dict[str, str]:
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
-    return {name: pid for name, marker in PROCESSES.items()
-            for pid in [next((line.split()[0] for line in ps if marker in line), None)] if pid}
+    return {
+        name: pid
+        for name, marker in PROCESSES.items()
+        for pid in [next((line.split()[0] for line in ps if marker in line), None)]
+        if pid
+    }
 
 
 def _cpu_seconds(pids: dict[str, str]) -> dict[str, float]:
@@ -64,9 +69,26 @@ def _profile(dest: pathlib.Path, seconds: float) -> list[subprocess.Popen]:
     dest.mkdir(parents=True, exist_ok=True)
     procs = []
     for name, pid in _pids().items():
-        procs.append(subprocess.Popen(["py-spy", "record", "-d", str(int(seconds)), "-r", "50", "-f", "raw", "-o",
-                                       str(dest / f"{name}.txt"), "-p", pid], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "-d",
+                    str(int(seconds)),
+                    "-r",
+                    "50",
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(dest / f"{name}.txt"),
+                    "-p",
+                    pid,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
     return procs
 
 
@@ -80,8 +102,10 @@ def top_frames(raw: pathlib.Path, n: int = 12) -> dict:
         key = f"{name} ({pathlib.Path(where.split(':')[0]).name})"
         own[key] = own.get(key, 0) + int(count)
         total += int(count)
-    return {"samples": total, "self": [(f, round(c / total, 3)) for f, c in sorted(own.items(), key=lambda x: -x[1])[:n]]}
-
+    return {
+        "samples": total,
+        "self": [(f, round(c / total, 3)) for f, c in sorted(own.items(), key=lambda x: -x[1])[:n]],
+    }
 
 
 def run_variant(label: str, profile: pathlib.Path | None) -> dict:
@@ -95,8 +119,14 @@ def run_variant(label: str, profile: pathlib.Path | None) -> dict:
     from tests.simulated_engine import StepTime, simulated_engine
 
     args = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"][0]["args"]
-    args.update(model_name="base", max_batch_size=CLIENTS, num_kv_blocks=2048, block_size=16, adapter_dirs=[],
-                replica={"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}})
+    args.update(
+        model_name="base",
+        max_batch_size=CLIENTS,
+        num_kv_blocks=2048,
+        block_size=16,
+        adapter_dirs=[],
+        replica={"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
+    )
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = 18000 + os.getpid() % 1000
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -124,21 +154,32 @@ def run_variant(label: str, profile: pathlib.Path | None) -> dict:
     ray.shutdown()
     import app
 
-    return {"variant": label, "app": str(pathlib.Path(app.__file__).parent), "clients": CLIENTS, "step_s": STEP_S, "engine_ceiling_tok_s": CLIENTS / STEP_S,
-            **(summary := summarize(records, t0, t0 + MEASURE_S)),
-            # CPU seconds each process used per 1,000 tokens delivered in the measured window
-            "cpu_s_per_1k_tokens": {k: round(v / (summary["tok_s"] * MEASURE_S / 1000), 3) for k, v in cpu.items()},
-            "profile": {f.stem: top_frames(f) for f in sorted(profile.glob("*.txt"))} if profile else None}
+    return {
+        "variant": label,
+        "app": str(pathlib.Path(app.__file__).parent),
+        "clients": CLIENTS,
+        "step_s": STEP_S,
+        "engine_ceiling_tok_s": CLIENTS / STEP_S,
+        **(summary := summarize(records, t0, t0 + MEASURE_S)),
+        # CPU seconds each process used per 1,000 tokens delivered in the measured window
+        "cpu_s_per_1k_tokens": {k: round(v / (summary["tok_s"] * MEASURE_S / 1000), 3) for k, v in cpu.items()},
+        "profile": {f.stem: top_frames(f) for f in sorted(profile.glob("*.txt"))} if profile else None,
+    }
 
 
 # -- the two variants, and the figure ------------------------------------------------------
+
 
 def _child(tree: pathlib.Path, label: str, profile: bool) -> dict:
     out = pathlib.Path(tempfile.mkstemp(suffix=".json")[1])
     env = {**os.environ, "PYTHONPATH": str(tree), "RAY_USAGE_STATS_ENABLED": "0"}
     spy = ["--profile", tempfile.mkdtemp()] if profile else []
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "serve_path.py"), "--variant", label, "--out", str(out),
-                    *spy], env=env, check=True, cwd=tree)
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "serve_path.py"), "--variant", label, "--out", str(out), *spy],
+        env=env,
+        check=True,
+        cwd=tree,
+    )
     return json.loads(out.read_text())
 
 
@@ -147,13 +188,19 @@ def main(profile: bool) -> None:
     base = pathlib.Path(tempfile.mkdtemp()) / "base"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), BASE], check=True)
     try:
-        rows = [{**_child(tree, label, profile), "round": k} for k in range(1, 1 + (1 if profile else ROUNDS))
-                for tree, label in ((base, f"before ({BASE})"), (REPO, "after"))]
+        rows = [
+            {**_child(tree, label, profile), "round": k}
+            for k in range(1, 1 + (1 if profile else ROUNDS))
+            for tree, label in ((base, f"before ({BASE})"), (REPO, "after"))
+        ]
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=True)
-    (OUT_PROFILE if profile else OUT).write_text(json.dumps({
-        "machine": f"{os.cpu_count()} CPU cores", "max_tokens": MAX_TOKENS, "measure_s": MEASURE_S, "rows": rows},
-        indent=1))
+    (OUT_PROFILE if profile else OUT).write_text(
+        json.dumps(
+            {"machine": f"{os.cpu_count()} CPU cores", "max_tokens": MAX_TOKENS, "measure_s": MEASURE_S, "rows": rows},
+            indent=1,
+        )
+    )
     if not profile:
         plot()
 
@@ -169,11 +216,19 @@ def plot() -> None:
     data = json.loads(OUT.read_text())
     rows = data["rows"]
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    bars = ax.bar([f"{r['variant']}\nround {r['round']}" for r in rows], [r["tok_s"] for r in rows],
-                  color=["#999" if r["variant"].startswith("before") else "#2a7" for r in rows])
+    bars = ax.bar(
+        [f"{r['variant']}\nround {r['round']}" for r in rows],
+        [r["tok_s"] for r in rows],
+        color=["#999" if r["variant"].startswith("before") else "#2a7" for r in rows],
+    )
     for bar, r in zip(bars, rows):
-        ax.annotate(f"{r['tok_s']:.0f} tok/s\n{r['tokens_per_event']:.1f} tok/event", (bar.get_x() + bar.get_width() / 2,
-                    bar.get_height()), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{r['tok_s']:.0f} tok/s\n{r['tokens_per_event']:.1f} tok/event",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel("tokens/s delivered")
     ax.set_ylim(0, max(r["tok_s"] for r in rows) * 1.3)
     save_figure(fig, f"{CLIENTS} streaming clients, simulated engine ({data['machine']})", OUT.with_suffix(".png"))
@@ -187,7 +242,9 @@ if __name__ == "__main__":
     p.add_argument("--profile", nargs="?", const="", help="py-spy the path (needs `pip install py-spy`)")
     a = p.parse_args()
     if a.variant:
-        pathlib.Path(a.out).write_text(json.dumps(run_variant(a.variant, pathlib.Path(a.profile) if a.profile else None)))
+        pathlib.Path(a.out).write_text(
+            json.dumps(run_variant(a.variant, pathlib.Path(a.profile) if a.profile else None))
+        )
     elif a.plot_only:
         plot()
     else:

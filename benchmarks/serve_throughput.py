@@ -14,6 +14,7 @@ adapter i mod 32), 128 random prompt token ids, max_tokens 128, greedy:
   replicas, as serve_config_gpu.yaml builds it, through Serve's proxy and HTTP.
 Rows: path, clients, workload, tok_s, ttft_p50/p99, tpot_p50/p99 (s) (benchmarks/sse_load.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,36 @@ from benchmarks.sse_load import completion_body, http_client, summarize  # noqa:
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "serve_throughput_h200.json"
 CLIENTS, ADAPTERS, RANK, PROMPT, NEW = (1, 8, 32, 64), 32, 16, 128, 128
 WARMUP_S, MEASURE_S = 2.0, 8.0
-SHAPE = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-             num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096)
-MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-ENGINE = dict(max_batch_size=64, max_tokens_per_step=4096, num_kv_blocks=4096, block_size=16, max_loras=32,
-              max_lora_rank=RANK, max_model_len=2048, cuda_graphs=True, dtype="float16", device="cuda")
+SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    max_position_embeddings=4096,
+)
+MODULES = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+ENGINE = dict(
+    max_batch_size=64,
+    max_tokens_per_step=4096,
+    num_kv_blocks=4096,
+    block_size=16,
+    max_loras=32,
+    max_lora_rank=RANK,
+    max_model_len=2048,
+    cuda_graphs=True,
+    dtype="float16",
+    device="cuda",
+)
 
 
 def _dims(name: str, s=SHAPE) -> tuple[int, int]:
@@ -57,8 +82,19 @@ def word_tokenizer(vocab: int):
 def make_checkpoint(root: pathlib.Path, tiny: bool) -> pathlib.Path:
     import torch
     from safetensors.torch import save_file
-    shape = dict(SHAPE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=4) if tiny else SHAPE
+
+    shape = (
+        dict(
+            SHAPE,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+        )
+        if tiny
+        else SHAPE
+    )
     path, device = root / "model", "cuda" if torch.cuda.is_available() else "cpu"
     path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator(device=device).manual_seed(0)
@@ -67,8 +103,11 @@ def make_checkpoint(root: pathlib.Path, tiny: bool) -> pathlib.Path:
     index = {}
     for layer in range(-1, shape["num_hidden_layers"]):  # -1: embeddings, final norm, lm_head
         if layer < 0:
-            part = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": torch.ones(h).half(),
-                    "lm_head.weight": rnd(v, h)}
+            part = {
+                "model.embed_tokens.weight": rnd(v, h),
+                "model.norm.weight": torch.ones(h).half(),
+                "lm_head.weight": rnd(v, h),
+            }
         else:
             pre = f"model.layers.{layer}."
             part = {f"{pre}{MODULES[m]}.{m}.weight": rnd(o, i) for m in MODULES for i, o in [_dims(m, shape)]}
@@ -78,9 +117,21 @@ def make_checkpoint(root: pathlib.Path, tiny: bool) -> pathlib.Path:
         save_file(part, str(path / name), metadata={"format": "pt"})
         index.update({k: name for k in part})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float16", "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": None, "bos_token_id": None, **shape}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "torch_dtype": "float16",
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "tie_word_embeddings": False,
+                "eos_token_id": None,
+                "bos_token_id": None,
+                **shape,
+            }
+        )
+    )
     word_tokenizer(v).save_pretrained(str(path))
     _adapters(root / "adapters", shape, rnd)
     return path
@@ -99,9 +150,20 @@ def _adapters(root: pathlib.Path, shape: dict, rnd) -> None:
         from safetensors.torch import save_file
 
         save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (out / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": 2 * RANK, "lora_dropout": 0.0,
-            "target_modules": list(MODULES), "bias": "none", "use_rslora": False}))
+        (out / "adapter_config.json").write_text(
+            json.dumps(
+                {
+                    "peft_type": "LORA",
+                    "task_type": "CAUSAL_LM",
+                    "r": RANK,
+                    "lora_alpha": 2 * RANK,
+                    "lora_dropout": 0.0,
+                    "target_modules": list(MODULES),
+                    "bias": "none",
+                    "use_rslora": False,
+                }
+            )
+        )
 
 
 def _bodies(workload: str, client: int, rng: random.Random, model_name: str):
@@ -128,14 +190,19 @@ async def engine_rows(model: pathlib.Path, adapters: pathlib.Path, settings) -> 
     from app.engine.factory import build_engine
     from app.protocol import GenerateRequest, SamplingParams
 
-    engine = AsyncEngine(build_engine(model, settings.engine, {f"a{k}": str(adapters / f"a{k}") for k in range(ADAPTERS)}))
+    engine = AsyncEngine(
+        build_engine(model, settings.engine, {f"a{k}": str(adapters / f"a{k}") for k in range(ADAPTERS)})
+    )
     ids = itertools.count()
 
     async def caller(workload, client, until, records, rng):
         while time.monotonic() < until:
-            request = GenerateRequest(f"e{next(ids)}", tuple(rng.randrange(32000) for _ in range(PROMPT)),
-                                      SamplingParams(max_tokens=NEW, temperature=0.0),
-                                      f"a{client % ADAPTERS}" if workload == "adapters" else None)
+            request = GenerateRequest(
+                f"e{next(ids)}",
+                tuple(rng.randrange(32000) for _ in range(PROMPT)),
+                SamplingParams(max_tokens=NEW, temperature=0.0),
+                f"a{client % ADAPTERS}" if workload == "adapters" else None,
+            )
             start, first, n, items = time.monotonic(), None, 0, 0
             async for chunk in engine.generate(request):
                 n, items = n + len(chunk.token_ids), items + 1
@@ -153,8 +220,12 @@ async def engine_rows(model: pathlib.Path, adapters: pathlib.Path, settings) -> 
 
 async def http_rows(args: dict, port: int) -> list[dict]:
     async def point(workload, clients, until, records):
-        await asyncio.gather(*(http_client(port, _bodies(workload, c, random.Random(c), args["model_name"]), until,
-                                           records) for c in range(clients)))
+        await asyncio.gather(
+            *(
+                http_client(port, _bodies(workload, c, random.Random(c), args["model_name"]), until, records)
+                for c in range(clients)
+            )
+        )
 
     return [{"path": "http", **r} for r in await _points(point)]
 
@@ -173,10 +244,18 @@ def main(tiny: bool) -> None:
     started = time.time()
     model = make_checkpoint(root, tiny)
     engine = dict(ENGINE, dtype="float32", device="cpu", cuda_graphs=False) if tiny else ENGINE
-    args = {**engine, "model": str(model), "model_name": "base", "adapter_dirs": [str(root / "adapters")],
-            "replica": {"num_replicas": 1, "max_ongoing_requests": 256,
-                        "ray_actor_options": {"num_gpus": 0 if tiny else 1, "num_cpus": 4}},
-            "ingress": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}}}
+    args = {
+        **engine,
+        "model": str(model),
+        "model_name": "base",
+        "adapter_dirs": [str(root / "adapters")],
+        "replica": {
+            "num_replicas": 1,
+            "max_ongoing_requests": 256,
+            "ray_actor_options": {"num_gpus": 0 if tiny else 1, "num_cpus": 4},
+        },
+        "ingress": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}},
+    }
     print(f"checkpoint written in {time.time() - started:.0f} s", flush=True)
     rows = asyncio.run(engine_rows(model, root / "adapters", parse_args(args, "base")))
     gc.collect()
@@ -191,9 +270,21 @@ def main(tiny: bool) -> None:
         serve.shutdown()
         ray.shutdown()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (tiny model: plumbing only)"
-    OUT.write_text(json.dumps({"device": device, "prompt": PROMPT, "max_tokens": NEW, "adapters": ADAPTERS,
-                               "rank": RANK, "measure_s": MEASURE_S, "wall_s": time.time() - started,
-                               "rows": rows}, indent=1))
+    OUT.write_text(
+        json.dumps(
+            {
+                "device": device,
+                "prompt": PROMPT,
+                "max_tokens": NEW,
+                "adapters": ADAPTERS,
+                "rank": RANK,
+                "measure_s": MEASURE_S,
+                "wall_s": time.time() - started,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 def plot() -> None:
@@ -216,7 +307,9 @@ def plot() -> None:
         ax.set_xticks(CLIENTS, [str(c) for c in CLIENTS])
         ax.legend()
     axes[0].set_ylabel("tokens/s")
-    save_figure(fig, f"Served path vs engine alone, streaming /v1/completions ({data['device']})", OUT.with_suffix(".png"))
+    save_figure(
+        fig, f"Served path vs engine alone, streaming /v1/completions ({data['device']})", OUT.with_suffix(".png")
+    )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ read and written) over the device-to-device copy bandwidth measured here;
 read_only is the same number of bytes read by a kernel that does nothing else,
 timed the same way (benchmarks/read_floor.py): what this method gives any kernel.
 """
+
 import argparse
 import datetime
 import itertools
@@ -38,8 +39,14 @@ WORKLOADS = ("distinct", "uniform", "skewed", "identical")
 PREFILL = [(r, w, t) for r in (16, 64) for w in ("identical", "uniform") for t in (512, 2048, 8192)]
 # add_lora with each cluster width, with 4/8 warps per block: to pick the defaults
 SWEEP = [(r, "distinct", b) for r in (16, 32, 64) for b in (1, 16, 32, 64)] + [
-    (64, "identical", 1), (64, "identical", 64), (64, "uniform", 32), (8, "distinct", 64),
-    (16, "identical", 2048), (64, "uniform", 2048), (16, "uniform", 8192)]
+    (64, "identical", 1),
+    (64, "identical", 64),
+    (64, "uniform", 32),
+    (8, "distinct", 64),
+    (16, "identical", 2048),
+    (64, "uniform", 2048),
+    (16, "uniform", 8192),
+]
 # where the time goes: each phase alone, and a second add-on straight after (its data L2-hot)
 PHASES = [(r, b) for r in (16, 32, 64) for b in (1, 16, 32, 64)]
 H, POOL, ZIPF = 4096, 512, 1.5
@@ -49,8 +56,10 @@ RESULT = pathlib.Path(__file__).parent / "results" / "sgmv_h200.json"
 def random_pool(rank, h_in=H, h_out=H):
     """A and B of POOL adapter slots ([slots, rank, h_in], [slots, rank, h_out]), scaled so v and
     the add-on are of the order of x."""
-    return (torch.randn(POOL, rank, h_in, device="cuda", dtype=torch.float16) / math.sqrt(h_in),
-            torch.randn(POOL, rank, h_out, device="cuda", dtype=torch.float16) / math.sqrt(rank))
+    return (
+        torch.randn(POOL, rank, h_in, device="cuda", dtype=torch.float16) / math.sqrt(h_in),
+        torch.randn(POOL, rank, h_out, device="cuda", dtype=torch.float16) / math.sqrt(rank),
+    )
 
 
 def floor_bytes(tokens, adapters, rank, h_in, h_out):
@@ -96,8 +105,19 @@ class Case:
 
     def plan(self, **force):
         """add_lora's launch for this batch (split / warps forced or the defaults)."""
-        return sgmv.launch_plan(sgmv.FUSED, self.batch, x=self.x, y=self.y, A=self.A, B=self.B, indptr=self.indptr,
-                                slot_ids=self.slot_ids, ranks=self.ranks, scales=self.scales, **force)
+        return sgmv.launch_plan(
+            sgmv.FUSED,
+            self.batch,
+            x=self.x,
+            y=self.y,
+            A=self.A,
+            B=self.B,
+            indptr=self.indptr,
+            slot_ids=self.slot_ids,
+            ranks=self.ranks,
+            scales=self.scales,
+            **force,
+        )
 
     def ours_2launch(self):
         sgmv.sgmv_shrink(self.v, self.x, self.A, *self.segs())
@@ -136,10 +156,15 @@ def check(case):
 def time_phases(case, flush):
     """µs of the fused add-on, of the shrink and the expand kernels alone, and of two fused
     add-ons back to back (the second finds x, A and B in L2: what latency alone costs)."""
-    return dict(rank=case.rank, workload="distinct", batch=case.batch, fused_us=time_graph(case.ours, flush),
-                shrink_us=time_graph(lambda: sgmv.sgmv_shrink(case.v, case.x, case.A, *case.segs()), flush),
-                expand_us=time_graph(lambda: sgmv.sgmv_expand(case.y, case.v, case.B, *case.segs(), case.scales), flush),
-                fused_twice_us=time_graph(lambda: (case.ours(), case.ours()), flush))
+    return dict(
+        rank=case.rank,
+        workload="distinct",
+        batch=case.batch,
+        fused_us=time_graph(case.ours, flush),
+        shrink_us=time_graph(lambda: sgmv.sgmv_shrink(case.v, case.x, case.A, *case.segs()), flush),
+        expand_us=time_graph(lambda: sgmv.sgmv_expand(case.y, case.v, case.B, *case.segs(), case.scales), flush),
+        fused_twice_us=time_graph(lambda: (case.ours(), case.ours()), flush),
+    )
 
 
 def sweep_shapes():
@@ -171,27 +196,42 @@ def run(out, with_vllm, ranks=RANKS, h_in=H, h_out=H):
             for batch in BATCHES:
                 case = Case(rank, workload, batch, rng, pool)
                 check(case)
-                vllm_add_on, vllm_err = (vllm_pool.checked_add_on(case.x, case.y, case.row_slots) if vllm_pool
-                                         else (None, None))
-                row = dict(rank=rank, workload=workload, batch=batch, num_adapters=len(case.slots),
-                           ours_us=time_graph(case.ours, flush),
-                           ours_2launch_us=time_graph(case.ours_2launch, flush),
-                           loop_us=time_graph(case.loop, flush),
-                           gather_bmm_us=time_graph(case.gather_bmm, flush),
-                           floor_us=case.floor_bytes() / bw * 1e6,
-                           read_only_us=reads.read_us(case.floor_bytes()))
+                vllm_add_on, vllm_err = (
+                    vllm_pool.checked_add_on(case.x, case.y, case.row_slots) if vllm_pool else (None, None)
+                )
+                row = dict(
+                    rank=rank,
+                    workload=workload,
+                    batch=batch,
+                    num_adapters=len(case.slots),
+                    ours_us=time_graph(case.ours, flush),
+                    ours_2launch_us=time_graph(case.ours_2launch, flush),
+                    loop_us=time_graph(case.loop, flush),
+                    gather_bmm_us=time_graph(case.gather_bmm, flush),
+                    floor_us=case.floor_bytes() / bw * 1e6,
+                    read_only_us=reads.read_us(case.floor_bytes()),
+                )
                 if vllm_add_on:
                     row.update(vllm_us=time_graph(vllm_add_on, flush), vllm_rel_err=vllm_err)
                 rows.append(row)
-                print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                      flush=True)
+                print(
+                    " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True
+                )
         for r, workload, tokens in PREFILL:
             if r == rank and default_shape:
                 case = Case(rank, workload, tokens, rng, pool)
                 check(case)
-                prefill.append(dict(rank=rank, workload=workload, tokens=tokens, num_adapters=len(case.slots),
-                                    ours_us=time_graph(case.ours, flush), loop_us=time_graph(case.loop, flush),
-                                    floor_us=case.floor_bytes() / bw * 1e6))
+                prefill.append(
+                    dict(
+                        rank=rank,
+                        workload=workload,
+                        tokens=tokens,
+                        num_adapters=len(case.slots),
+                        ours_us=time_graph(case.ours, flush),
+                        loop_us=time_graph(case.loop, flush),
+                        floor_us=case.floor_bytes() / bw * 1e6,
+                    )
+                )
                 print(prefill[-1], flush=True)
         for r, batch in PHASES:
             if r == rank and default_shape:
@@ -201,16 +241,35 @@ def run(out, with_vllm, ranks=RANKS, h_in=H, h_out=H):
             if r == rank and default_shape:
                 case = Case(rank, workload, batch, rng, pool)
                 for split, warps in sweep_shapes():
-                    sweep.append(dict(rank=rank, workload=workload, batch=batch, split=case.plan(split=split).cluster,
-                                      warps=warps, us=time_graph(lambda: case.ours(split, warps), flush)))
+                    sweep.append(
+                        dict(
+                            rank=rank,
+                            workload=workload,
+                            batch=batch,
+                            split=case.plan(split=split).cluster,
+                            warps=warps,
+                            us=time_graph(lambda: case.ours(split, warps), flush),
+                        )
+                    )
                     print(sweep[-1], flush=True)
         del pool, vllm_pool
-    meta = dict(gpu=torch.cuda.get_device_name(), kernel_arch=sgmv._arch(torch.cuda.current_device()),
-                date=datetime.date.today().isoformat(), torch=torch.__version__, vllm=vllm_version,
-                copy_bw_GBps=bw / 1e9, null_graph_us=null_us, h_in=h_in, h_out=h_out, pool=POOL, dtype="float16",
-                zipf_alpha=ZIPF, reps=REPS,
-                timing="median of CUDA-event timings of a one-add-on CUDA graph replayed behind a 256 MiB "
-                       "L2 flush; null_graph_us: the same for a graph holding one empty kernel")
+    meta = dict(
+        gpu=torch.cuda.get_device_name(),
+        kernel_arch=sgmv._arch(torch.cuda.current_device()),
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        vllm=vllm_version,
+        copy_bw_GBps=bw / 1e9,
+        null_graph_us=null_us,
+        h_in=h_in,
+        h_out=h_out,
+        pool=POOL,
+        dtype="float16",
+        zipf_alpha=ZIPF,
+        reps=REPS,
+        timing="median of CUDA-event timings of a one-add-on CUDA graph replayed behind a 256 MiB "
+        "L2 flush; null_graph_us: the same for a graph holding one empty kernel",
+    )
     out.write_text(json.dumps(dict(meta=meta, rows=rows, prefill=prefill, sweep=sweep, phases=phases), indent=1))
 
 
@@ -224,22 +283,38 @@ def attach_peers(result, peers_path):
 
 
 def table(result):
-    cols = ("ours_us", "vllm_us", "vllm_anchor_us", "ours_2launch_us", "gather_bmm_us", "loop_us", "read_only_us",
-            "floor_us")
-    print(f"{'rank':>4} {'workload':>9} {'B':>3} " + " ".join(f"{c[:-3]:>14}" for c in cols)
-          + "  ours/vllm  ours/anchor")
+    cols = (
+        "ours_us",
+        "vllm_us",
+        "vllm_anchor_us",
+        "ours_2launch_us",
+        "gather_bmm_us",
+        "loop_us",
+        "read_only_us",
+        "floor_us",
+    )
+    print(
+        f"{'rank':>4} {'workload':>9} {'B':>3} " + " ".join(f"{c[:-3]:>14}" for c in cols) + "  ours/vllm  ours/anchor"
+    )
     for r in result["rows"]:
         ratios = (r["ours_us"] / r[c] if r.get(c) else float("nan") for c in ("vllm_us", "vllm_anchor_us"))
-        print(f"{r['rank']:>4} {r['workload']:>9} {r['batch']:>3} "
-              + " ".join(f"{r.get(c, float('nan')):14.1f}" for c in cols) + "".join(f"  {x:9.2f}" for x in ratios))
+        print(
+            f"{r['rank']:>4} {r['workload']:>9} {r['batch']:>3} "
+            + " ".join(f"{r.get(c, float('nan')):14.1f}" for c in cols)
+            + "".join(f"  {x:9.2f}" for x in ratios)
+        )
     for p in result.get("prefill", []):
-        print(f"prefill r={p['rank']} {p['workload']} T={p['tokens']}: ours {p['ours_us']:.1f} µs, "
-              f"loop {p['loop_us']:.1f} µs, floor {p['floor_us']:.1f} µs")
+        print(
+            f"prefill r={p['rank']} {p['workload']} T={p['tokens']}: ours {p['ours_us']:.1f} µs, "
+            f"loop {p['loop_us']:.1f} µs, floor {p['floor_us']:.1f} µs"
+        )
     null = result["meta"]["null_graph_us"]
     for p in result.get("phases", []):
-        print(f"phases r={p['rank']} distinct B={p['batch']}: fused {p['fused_us']:.1f} = graph floor {null:.1f} "
-              f"+ kernel {p['fused_us'] - null:.1f} µs (L2-hot: {p['fused_twice_us'] - p['fused_us']:.1f}); "
-              f"shrink alone {p['shrink_us']:.1f}, expand alone {p['expand_us']:.1f}")
+        print(
+            f"phases r={p['rank']} distinct B={p['batch']}: fused {p['fused_us']:.1f} = graph floor {null:.1f} "
+            f"+ kernel {p['fused_us'] - null:.1f} µs (L2-hot: {p['fused_twice_us'] - p['fused_us']:.1f}); "
+            f"shrink alone {p['shrink_us']:.1f}, expand alone {p['expand_us']:.1f}"
+        )
 
 
 def plot(result, png):
@@ -250,26 +325,41 @@ def plot(result, png):
 
     ranks = sorted({r["rank"] for r in result["rows"]})
     fig, axes = plt.subplots(len(ranks), len(WORKLOADS), figsize=(16, 3.5 * len(ranks)), sharex=True, squeeze=False)
-    series = (("ours_us", "ours (CUDA, NVRTC)"), ("vllm_us", f"vLLM {result['meta'].get('vllm')} Triton, this run"),
-              ("vllm_anchor_us", "vLLM Triton, the issue's figures"), ("gather_bmm_us", "Gather-BMM"),
-              ("loop_us", "Loop"), ("read_only_us", "read-only kernel, same bytes, same method"),
-              ("floor_us", "floor (bytes / copy bw)"))
+    series = (
+        ("ours_us", "ours (CUDA, NVRTC)"),
+        ("vllm_us", f"vLLM {result['meta'].get('vllm')} Triton, this run"),
+        ("vllm_anchor_us", "vLLM Triton, the issue's figures"),
+        ("gather_bmm_us", "Gather-BMM"),
+        ("loop_us", "Loop"),
+        ("read_only_us", "read-only kernel, same bytes, same method"),
+        ("floor_us", "floor (bytes / copy bw)"),
+    )
     for i, rank in enumerate(ranks):
         for j, workload in enumerate(WORKLOADS):
             ax, rows = axes[i][j], [r for r in result["rows"] if r["rank"] == rank and r["workload"] == workload]
             for key, label in series:
                 if all(key in r for r in rows):
-                    ax.plot([r["batch"] for r in rows], [r[key] for r in rows], marker="o", label=label,
-                            linestyle="--" if key in ("floor_us", "read_only_us") else "-")
+                    ax.plot(
+                        [r["batch"] for r in rows],
+                        [r[key] for r in rows],
+                        marker="o",
+                        label=label,
+                        linestyle="--" if key in ("floor_us", "read_only_us") else "-",
+                    )
             ax.axhline(result["meta"]["null_graph_us"], color="grey", linestyle=":", label="graph of one empty kernel")
-            latency_axes(ax, f"r={rank} {workload}", BATCHES, "µs per LoRA add-on" if j == 0 else None,
-                         i == len(ranks) - 1)
+            latency_axes(
+                ax, f"r={rank} {workload}", BATCHES, "µs per LoRA add-on" if j == 0 else None, i == len(ranks) - 1
+            )
     axes[0][0].legend(fontsize=8)
     meta = result["meta"]
     older = f", kernels built for sm_{meta['kernel_arch']}" if meta.get("kernel_arch", 90) < 90 else ""
     shape = f"h={meta['hidden']}" if "hidden" in meta else f"h_in={meta['h_in']}, h_out={meta['h_out']}"
-    save_figure(fig, f"SGMV LoRA add-on, {meta['gpu']}{older}, {shape}, fp16, pool {meta['pool']} "
-                     f"(copy bw {meta['copy_bw_GBps']:.0f} GB/s)", png)
+    save_figure(
+        fig,
+        f"SGMV LoRA add-on, {meta['gpu']}{older}, {shape}, fp16, pool {meta['pool']} "
+        f"(copy bw {meta['copy_bw_GBps']:.0f} GB/s)",
+        png,
+    )
 
 
 def main():
@@ -278,8 +368,12 @@ def main():
     ap.add_argument("--plot-only", action="store_true", help="read --out, add --peers, write the PNG")
     ap.add_argument("--peers", type=pathlib.Path, help="peer figures (vLLM) to compare against")
     ap.add_argument("--vllm", action="store_true", help="time vLLM's Triton kernels too ($VLLM_PEER_SITE)")
-    ap.add_argument("--arch", type=int, help="run the kernels built for this older arch (80: the A100's, no "
-                    "clusters; PTX compiled by the driver) on this GPU")
+    ap.add_argument(
+        "--arch",
+        type=int,
+        help="run the kernels built for this older arch (80: the A100's, no "
+        "clusters; PTX compiled by the driver) on this GPU",
+    )
     ap.add_argument("--ranks", type=lambda t: tuple(map(int, t.split(","))), default=RANKS)
     ap.add_argument("--h-in", type=int, default=H)
     ap.add_argument("--h-out", type=int, default=H)

@@ -12,6 +12,7 @@ launches back to back) and replayed behind a 256 MiB L2 flush; median of CUDA-ev
 timings. The floor: x once, each member's y columns read and written, each distinct
 adapter's A and B of every member once, over the copy bandwidth measured in the same run.
 """
+
 import argparse
 import datetime
 import json
@@ -55,7 +56,9 @@ class Case:
         self.slices = [LoraSlice(A, B, slots, int(off)) for (A, B), off in zip(pools, offsets)]
         self.x = torch.randn(batch, H_IN, device="cuda", dtype=torch.float16)
         self.y = torch.randn(batch, sum(widths), device="cuda", dtype=torch.float16)
-        self.floor_bytes = 2 * (self.x.numel() + 2 * self.y.numel() + len(ids) * rank * (len(widths) * H_IN + sum(widths)))
+        self.floor_bytes = 2 * (
+            self.x.numel() + 2 * self.y.numel() + len(ids) * rank * (len(widths) * H_IN + sum(widths))
+        )
 
     def per_member(self):
         for s in self.slices:
@@ -67,8 +70,19 @@ class Case:
     def split(self):
         """The cluster width add_lora_sliced picks for this batch."""
         s = self.slices
-        return sgmv.launch_plan(sgmv.FUSED, self.x.shape[0], x=self.x, y=self.y, A=s[0].A, B=s[0].B, indptr=self.indptr,
-                                slot_ids=s[0].slot_ids, ranks=self.ranks, scales=self.scales, more=tuple(s[1:])).cluster
+        return sgmv.launch_plan(
+            sgmv.FUSED,
+            self.x.shape[0],
+            x=self.x,
+            y=self.y,
+            A=s[0].A,
+            B=s[0].B,
+            indptr=self.indptr,
+            slot_ids=s[0].slot_ids,
+            ranks=self.ranks,
+            scales=self.scales,
+            more=tuple(s[1:]),
+        ).cluster
 
     def check(self):
         """The sliced launch adds what the per-member launches add (each checked against the
@@ -98,43 +112,74 @@ def run(out, with_vllm, ranks=RANKS):
                 for batch in BATCHES:
                     case = Case(pools, rank, workload, batch, rng)
                     case.check()
-                    vllm_add_on, vllm_err = (vllm_pool.checked_add_on(case.x, case.y, case.row_slots) if vllm_pool
-                                             else (None, None))
-                    row = dict(projection=proj, rank=rank, workload=workload, batch=batch,
-                               sliced_us=time_graph(case.sliced, flush), per_member_us=time_graph(case.per_member, flush),
-                               floor_us=case.floor_bytes / bw * 1e6)
+                    vllm_add_on, vllm_err = (
+                        vllm_pool.checked_add_on(case.x, case.y, case.row_slots) if vllm_pool else (None, None)
+                    )
+                    row = dict(
+                        projection=proj,
+                        rank=rank,
+                        workload=workload,
+                        batch=batch,
+                        sliced_us=time_graph(case.sliced, flush),
+                        per_member_us=time_graph(case.per_member, flush),
+                        floor_us=case.floor_bytes / bw * 1e6,
+                    )
                     if vllm_add_on:
                         row.update(vllm_us=time_graph(vllm_add_on, flush), vllm_rel_err=vllm_err)
                     rows.append(row)
-                    print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                          flush=True)
+                    print(
+                        " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                        flush=True,
+                    )
             for _, _, workload, batch in (c for c in SWEEP if c[:2] == (proj, rank)):
                 case = Case(pools, rank, workload, batch, rng)
-                sweep.append(dict(projection=proj, rank=rank, workload=workload, batch=batch, default_split=case.split(),
-                                  **{f"split{s}_us": time_graph(lambda: case.sliced(s), flush) for s in (4, 8, 16)}))
+                sweep.append(
+                    dict(
+                        projection=proj,
+                        rank=rank,
+                        workload=workload,
+                        batch=batch,
+                        default_split=case.split(),
+                        **{f"split{s}_us": time_graph(lambda: case.sliced(s), flush) for s in (4, 8, 16)},
+                    )
+                )
                 print(sweep[-1], flush=True)
             del pools, vllm_pool
-    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__,
-                vllm=vllm_version,
-                copy_bw_GBps=bw / 1e9, h_in=H_IN, pool=POOL, dtype="float16", reps=REPS,
-                projections=PROJECTIONS,
-                timing="median of CUDA-event timings of one CUDA graph (one sliced launch, or one launch per "
-                       "member back to back) replayed behind a 256 MiB L2 flush")
+    meta = dict(
+        gpu=torch.cuda.get_device_name(),
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        vllm=vllm_version,
+        copy_bw_GBps=bw / 1e9,
+        h_in=H_IN,
+        pool=POOL,
+        dtype="float16",
+        reps=REPS,
+        projections=PROJECTIONS,
+        timing="median of CUDA-event timings of one CUDA graph (one sliced launch, or one launch per "
+        "member back to back) replayed behind a 256 MiB L2 flush",
+    )
     out.write_text(json.dumps(dict(meta=meta, rows=rows, sweep=sweep), indent=1))
 
 
 def table(result):
-    print(f"{'projection':>11} {'rank':>4} {'workload':>9} {'B':>4} {'sliced':>8} {'per-member':>11} {'vllm':>7}"
-          f" {'floor':>7} {'sliced/per-member':>18} {'sliced/vllm':>12}")
+    print(
+        f"{'projection':>11} {'rank':>4} {'workload':>9} {'B':>4} {'sliced':>8} {'per-member':>11} {'vllm':>7}"
+        f" {'floor':>7} {'sliced/per-member':>18} {'sliced/vllm':>12}"
+    )
     for r in result["rows"]:
         vllm = r.get("vllm_us", float("nan"))
-        print(f"{r['projection']:>11} {r['rank']:>4} {r['workload']:>9} {r['batch']:>4} {r['sliced_us']:8.1f} "
-              f"{r['per_member_us']:11.1f} {vllm:7.1f} {r['floor_us']:7.1f} {r['sliced_us'] / r['per_member_us']:18.2f}"
-              f" {r['sliced_us'] / vllm:12.2f}")
+        print(
+            f"{r['projection']:>11} {r['rank']:>4} {r['workload']:>9} {r['batch']:>4} {r['sliced_us']:8.1f} "
+            f"{r['per_member_us']:11.1f} {vllm:7.1f} {r['floor_us']:7.1f} {r['sliced_us'] / r['per_member_us']:18.2f}"
+            f" {r['sliced_us'] / vllm:12.2f}"
+        )
     for r in result.get("sweep", []):
         widths = ", ".join(f"{s}: {r[f'split{s}_us']:.1f}" for s in (4, 8, 16))
-        print(f"sweep {r['projection']} r={r['rank']} {r['workload']} B={r['batch']}: clusters of {widths} µs "
-              f"(default {r['default_split']})")
+        print(
+            f"sweep {r['projection']} r={r['rank']} {r['workload']} B={r['batch']}: clusters of {widths} µs "
+            f"(default {r['default_split']})"
+        )
 
 
 def plot(result, png):
@@ -149,21 +194,44 @@ def plot(result, png):
         for j, workload in enumerate(WORKLOADS):
             ax = axes[i][j]
             for k, rank in enumerate(ranks):
-                rows = [r for r in result["rows"] if (r["projection"], r["rank"], r["workload"]) == (proj, rank, workload)]
+                rows = [
+                    r for r in result["rows"] if (r["projection"], r["rank"], r["workload"]) == (proj, rank, workload)
+                ]
                 b = [r["batch"] for r in rows]
                 ax.plot(b, [r["sliced_us"] for r in rows], marker="o", color=f"C{k}", label=f"r={rank} sliced")
-                ax.plot(b, [r["per_member_us"] for r in rows], marker="x", linestyle="--", color=f"C{k}",
-                        label=f"r={rank} one launch per member")
+                ax.plot(
+                    b,
+                    [r["per_member_us"] for r in rows],
+                    marker="x",
+                    linestyle="--",
+                    color=f"C{k}",
+                    label=f"r={rank} one launch per member",
+                )
                 if all("vllm_us" in r for r in rows):
-                    ax.plot(b, [r["vllm_us"] for r in rows], marker="s", linestyle="-.", color=f"C{k}",
-                            label=f"r={rank} vLLM {result['meta']['vllm']} Triton, this run")
+                    ax.plot(
+                        b,
+                        [r["vllm_us"] for r in rows],
+                        marker="s",
+                        linestyle="-.",
+                        color=f"C{k}",
+                        label=f"r={rank} vLLM {result['meta']['vllm']} Triton, this run",
+                    )
                 ax.plot(b, [r["floor_us"] for r in rows], linestyle=":", color=f"C{k}", label=f"r={rank} floor")
-            latency_axes(ax, f"{proj}, {workload}", BATCHES, "µs per projection's LoRA add-ons" if j == 0 else None,
-                         i == len(projections) - 1)
+            latency_axes(
+                ax,
+                f"{proj}, {workload}",
+                BATCHES,
+                "µs per projection's LoRA add-ons" if j == 0 else None,
+                i == len(projections) - 1,
+            )
     axes[0][0].legend(fontsize=7)
     meta = result["meta"]
-    save_figure(fig, f"Sliced LoRA add-on of a fused projection, {meta['gpu']}, h_in={meta['h_in']}, fp16, "
-                     f"pool {meta['pool']} (copy bw {meta['copy_bw_GBps']:.0f} GB/s)", png)
+    save_figure(
+        fig,
+        f"Sliced LoRA add-on of a fused projection, {meta['gpu']}, h_in={meta['h_in']}, fp16, "
+        f"pool {meta['pool']} (copy bw {meta['copy_bw_GBps']:.0f} GB/s)",
+        png,
+    )
 
 
 def main():

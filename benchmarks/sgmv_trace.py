@@ -15,6 +15,7 @@ benchmarks/sgmv.py times it; --define builds both with -DNAME (to compare varian
 of the kernel in one run); --smem gives every block that much dynamic shared
 memory, which caps how many blocks share an SM.
 """
+
 import argparse
 import json
 import math
@@ -31,8 +32,16 @@ from benchmarks.sgmv import Case, random_pool  # noqa: E402
 from ops import launch, nvrtc  # noqa: E402
 
 CONFIGS = [(16, 1), (16, 16), (16, 32), (16, 64), (32, 16), (32, 32), (64, 16), (64, 32)]  # (rank, batch), Distinct
-PHASES = ("item found", "rank known", "shrink partial", "cluster sync", "v reduced", "expand start",
-          "expand done", "cluster exit")
+PHASES = (
+    "item found",
+    "rank known",
+    "shrink partial",
+    "cluster sync",
+    "v reduced",
+    "expand start",
+    "expand done",
+    "cluster exit",
+)
 REPS = 30
 RESULT = pathlib.Path(__file__).parent / "results" / "sgmv_trace_h200.json"
 
@@ -53,7 +62,7 @@ def trace_once(case, func, buf, nbytes, flush, smem):
     torch.cuda.synchronize()
     host = np.zeros((4096, 11), dtype=np.int64)
     _drv(driver.cuMemcpyDtoH(host.ctypes.data, buf, nbytes))
-    return host[:p.blocks]
+    return host[: p.blocks]
 
 
 def with_smem(func, smem):
@@ -74,8 +83,14 @@ def summarize(traces, mhz):
     """Medians over launches of: start skew, span, and each phase's median / slowest block (µs);
     and over all launches' blocks, the shrink's median µs (rank known to partial) by how many
     blocks ran on the block's SM."""
-    out = dict(start_skew_us=[], span_us=[], sms_used=[], most_blocks_per_sm=[], **{p: [] for p in PHASES},
-               **{p + " (slowest)": [] for p in PHASES})
+    out = dict(
+        start_skew_us=[],
+        span_us=[],
+        sms_used=[],
+        most_blocks_per_sm=[],
+        **{p: [] for p in PHASES},
+        **{p + " (slowest)": [] for p in PHASES},
+    )
     shrink_by_sm_load = {}
     for t in traces:
         per_sm = np.bincount(t[:, 10])
@@ -91,18 +106,28 @@ def summarize(traces, mhz):
             reached = live[:, i][live[:, i] > 0] / mhz
             out[p].append(float(np.median(reached)) if reached.size else math.nan)
             out[p + " (slowest)"].append(float(reached.max()) if reached.size else math.nan)
-    return {**{k: float(np.median(v)) for k, v in out.items()},
-            "shrink_us_by_blocks_on_sm": {k: float(np.median(v)) for k, v in sorted(shrink_by_sm_load.items())}}
+    return {
+        **{k: float(np.median(v)) for k, v in out.items()},
+        "shrink_us_by_blocks_on_sm": {k: float(np.median(v)) for k, v in sorted(shrink_by_sm_load.items())},
+    }
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, default=RESULT)
     ap.add_argument("--define", action="append", default=[], help="build the kernel with -DNAME")
-    ap.add_argument("--config", action="append", type=lambda t: tuple(map(int, t.split(","))),
-                    help="RANK,BATCH (Distinct) to trace instead of the default list (repeatable)")
-    ap.add_argument("--smem", type=int, default=0,
-                    help="dynamic shared memory per block, bytes (to cap how many blocks share an SM)")
+    ap.add_argument(
+        "--config",
+        action="append",
+        type=lambda t: tuple(map(int, t.split(","))),
+        help="RANK,BATCH (Distinct) to trace instead of the default list (repeatable)",
+    )
+    ap.add_argument(
+        "--smem",
+        type=int,
+        default=0,
+        help="dynamic shared memory per block, bytes (to cap how many blocks share an SM)",
+    )
     args = ap.parse_args()
     defines = tuple(f"-D{d}" for d in args.define)
     rng = np.random.default_rng(0)
@@ -115,13 +140,24 @@ def main():
         p = case.plan()
         plain = with_smem(nvrtc.load_function("sgmv.cu", p.name, p.device.index, defines), args.smem)
         graph_us = time_graph(lambda: launch.launch(plain, p.blocks, p.threads, p.args, p.device, args.smem), flush)
-        func = with_smem(nvrtc.load_function("sgmv.cu", p.name, p.device.index, (*defines, "-DSGMV_TRACE")),
-                         args.smem)
+        func = with_smem(nvrtc.load_function("sgmv.cu", p.name, p.device.index, (*defines, "-DSGMV_TRACE")), args.smem)
         buf, nbytes = _drv(driver.cuModuleGetGlobal(_drv(driver.cuFuncGetModule(func)), b"sgmv_trace"))
         traces = [trace_once(case, func, buf, nbytes, flush, args.smem) for _ in range(REPS + 3)][3:]
         clusters = launch.max_active_clusters(plain, p.cluster, p.threads, args.smem)
-        rows.append(dict(rank=rank, batch=batch, kernel=p.name, defines=args.define, smem=args.smem, blocks=p.blocks,
-                         max_active_clusters=clusters, sm_mhz=mhz, graph_us=graph_us, **summarize(traces, mhz)))
+        rows.append(
+            dict(
+                rank=rank,
+                batch=batch,
+                kernel=p.name,
+                defines=args.define,
+                smem=args.smem,
+                blocks=p.blocks,
+                max_active_clusters=clusters,
+                sm_mhz=mhz,
+                graph_us=graph_us,
+                **summarize(traces, mhz),
+            )
+        )
         del pool
     args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
     print("defines:", args.define)

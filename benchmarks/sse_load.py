@@ -7,6 +7,7 @@ time per output token percentiles. `http_client` speaks raw HTTP/1.1 + SSE on on
 keep-alive connection (nothing to install, cheap per event); the token count comes from
 the final usage chunk, so an event may carry any number of tokens.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,16 @@ Record = tuple[float, float, float, int, int]  # start, first token, last token,
 
 
 def completion_body(prompt: list[int], max_tokens: int, model: str) -> bytes:
-    return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                       "temperature": 0.0, "stream_options": {"include_usage": True}}).encode()
+    return json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0.0,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
 
 
 async def http_client(port: int, bodies, until: float, records: list[Record]) -> None:
@@ -27,8 +36,10 @@ async def http_client(port: int, bodies, until: float, records: list[Record]) ->
     try:
         while time.monotonic() < until:
             body = next(bodies)
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             start, first, last, tokens, events = time.monotonic(), None, None, 0, 0
             status = await reader.readline()
             if b" 200 " not in status:
@@ -73,7 +84,12 @@ def summarize(records: list[Record], t0: float, t1: float) -> dict:
     inside = [r for r in records if t0 <= r[0] <= t1]
     ttft = [first - start for start, first, _, _, _ in inside]
     tpot = [(last - first) / (n - 1) for _, first, last, n, _ in inside if n > 1]
-    return {"tok_s": tokens / (t1 - t0), "requests": len(inside),
-            "tokens_per_event": sum(r[3] for r in inside) / max(1, sum(r[4] for r in inside)),
-            "ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99),
-            "tpot_p50": _pct(tpot, 0.5), "tpot_p99": _pct(tpot, 0.99)}
+    return {
+        "tok_s": tokens / (t1 - t0),
+        "requests": len(inside),
+        "tokens_per_event": sum(r[3] for r in inside) / max(1, sum(r[4] for r in inside)),
+        "ttft_p50": _pct(ttft, 0.5),
+        "ttft_p99": _pct(ttft, 0.99),
+        "tpot_p50": _pct(tpot, 0.5),
+        "tpot_p99": _pct(tpot, 0.99),
+    }

@@ -1,6 +1,7 @@
 """Where a full-batch decode step's time goes: wall time per step without a profiler, then the
 GPU time per kernel category (attention / GEMMs / LoRA / other) from a torch profile of as many
 steps. Wall minus the categories' sum is time the GPU waits (host work not hidden, launch gaps)."""
+
 import time
 
 import torch
@@ -47,8 +48,12 @@ def profile_breakdown(engine, pool_adapters, workload, which, rng, steps=10):
     from app.protocol import GenerateRequest, SamplingParams
 
     for i, a in enumerate(which):
-        req = GenerateRequest(f"p{workload}{i}", tuple(rng.randrange(32000) for _ in range(128)),
-                              SamplingParams(max_tokens=64, temperature=0.0), None if a is None else f"a{a}")
+        req = GenerateRequest(
+            f"p{workload}{i}",
+            tuple(rng.randrange(32000) for _ in range(128)),
+            SamplingParams(max_tokens=64, temperature=0.0),
+            None if a is None else f"a{a}",
+        )
         engine.add(req, adapter=None if a is None else pool_adapters[a])
     _until_all_decode(engine, len(which))
     wall = _steps(engine, steps)
@@ -60,4 +65,9 @@ def profile_breakdown(engine, pool_adapters, workload, which, rng, steps=10):
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:  # kernels and copies only
             cats[_category(e.name)] += e.device_time_total / 1e3 / steps
-    return {"workload": workload, "max_batch": len(which), "step_wall_ms": 1e3 * wall, **{f"{k}_ms": v for k, v in cats.items()}}
+    return {
+        "workload": workload,
+        "max_batch": len(which),
+        "step_wall_ms": 1e3 * wall,
+        **{f"{k}_ms": v for k, v in cats.items()},
+    }

@@ -27,6 +27,7 @@ never fetched. Also reported: the grammar engine's vocabulary build, the 50 sche
 and how many steps were launched ahead (a constrained row's draw waits until the step is taken:
 app/engine/run_ahead.py).
 """
+
 import argparse
 import datetime
 import json
@@ -58,8 +59,12 @@ def synthetic_tokenizer(vocab: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["</s>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator((p.read_text(encoding="utf-8", errors="replace") for p in files), trainer)
     tok.add_special_tokens([f"<reserved_{i}>" for i in range(vocab - tok.get_vocab_size())])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
@@ -74,8 +79,15 @@ def build(shape: dict, batch: int, device: str, dtype, tokenizer):
     e2e.SHAPE.update(shape)
     cfg = e2e.model_config()
     model = LlamaModel(cfg, e2e.random_weights(cfg, dtype, device))
-    config = EngineConfig(max_num_seqs=batch, max_tokens_per_step=2048, num_kv_blocks=batch * 48 + 64, dtype=dtype,
-                          device=device, max_model_len=768, prefix_caching=False)
+    config = EngineConfig(
+        max_num_seqs=batch,
+        max_tokens_per_step=2048,
+        num_kv_blocks=batch * 48 + 64,
+        dtype=dtype,
+        device=device,
+        max_model_len=768,
+        prefix_caching=False,
+    )
     return EngineCore(model, None, tokenizer, config)
 
 
@@ -88,8 +100,12 @@ def compile_times(engine, guides) -> dict:
         start = time.perf_counter()
         engine.grammars.compile(guide)
         times.append(time.perf_counter() - start)
-    return {"vocab_build_s": vocab_s, "compile_ms_p50": 1e3 * float(np.percentile(times, 50)),
-            "compile_ms_p99": 1e3 * float(np.percentile(times, 99)), "compile_ms_max": 1e3 * max(times)}
+    return {
+        "vocab_build_s": vocab_s,
+        "compile_ms_p50": 1e3 * float(np.percentile(times, 50)),
+        "compile_ms_p99": 1e3 * float(np.percentile(times, 99)),
+        "compile_ms_max": 1e3 * max(times),
+    }
 
 
 class MaskTimer:
@@ -115,8 +131,11 @@ def run(engine, variant: str, prompts, guides, lengths, max_new: int, timer: Mas
     ahead = engine.runner.steps_taken_ahead
     for i, prompt in enumerate(prompts):
         constrained = variant == "constrained" or (variant == "mix25" and i % 4 == 0)
-        params = SamplingParams(max_tokens=max_new, temperature=0.0, guide=guides[i % len(guides)]) if constrained \
+        params = (
+            SamplingParams(max_tokens=max_new, temperature=0.0, guide=guides[i % len(guides)])
+            if constrained
             else SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True)
+        )
         engine.add(GenerateRequest(f"{variant}{i}", prompt, params))
     text, reasons, counts = {}, {}, {}
     sync = torch.cuda.synchronize if engine.config.device == "cuda" else (lambda: None)
@@ -131,9 +150,15 @@ def run(engine, variant: str, prompts, guides, lengths, max_new: int, timer: Mas
     sync()
     wall = time.perf_counter() - start
     generated = sum(counts.values())
-    out = {"variant": variant, "tok_s": generated / wall, "wall_s": wall, "generated": generated,
-           "steps": engine.steps - steps, "steps_launched_ahead": engine.runner.steps_taken_ahead - ahead,
-           "mask_fill_ms_p50": 1e3 * float(np.median(timer.seconds)) if timer.seconds else None}
+    out = {
+        "variant": variant,
+        "tok_s": generated / wall,
+        "wall_s": wall,
+        "generated": generated,
+        "steps": engine.steps - steps,
+        "steps_launched_ahead": engine.runner.steps_taken_ahead - ahead,
+        "mask_fill_ms_p50": 1e3 * float(np.median(timer.seconds)) if timer.seconds else None,
+    }
     if variant == "constrained":
         out["lengths"] = [counts[f"constrained{i}"] for i in range(len(prompts))]
         out["finished_by_grammar"] = sum(reasons[f"constrained{i}"] == "stop" for i in range(len(prompts)))
@@ -166,8 +191,12 @@ def plot(data, png):
         ax.set_xticklabels([r["variant"] for r in rows], fontsize=8)
     c = data["compile"]
     model = f"tiny random model, {data['shape']} vocabulary" if data["smoke"] else f"{data['shape']} shape"
-    save_figure(fig, f"{model}, structured output ({data['device']}); compile p50 {c['compile_ms_p50']:.1f} ms, "
-                     f"p99 {c['compile_ms_p99']:.1f} ms", png)
+    save_figure(
+        fig,
+        f"{model}, structured output ({data['device']}); compile p50 {c['compile_ms_p50']:.1f} ms, "
+        f"p99 {c['compile_ms_p99']:.1f} ms",
+        png,
+    )
 
 
 def main():
@@ -181,7 +210,9 @@ def main():
     ap.add_argument("--out", type=pathlib.Path)
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args()
-    name = f"structured_throughput_{'cpu_smoke' if args.smoke else 'h200'}" + ("" if args.shape == "llama2-7b" else f"_{args.shape}")
+    name = f"structured_throughput_{'cpu_smoke' if args.smoke else 'h200'}" + (
+        "" if args.shape == "llama2-7b" else f"_{args.shape}"
+    )
     args.out = args.out or pathlib.Path(__file__).parent / "results" / f"{name}.json"
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
@@ -199,8 +230,16 @@ def main():
     guides = [Guide("json_schema", json.dumps(s, sort_keys=True)) for s in random_schemas(50)]
     rng = np.random.default_rng(0)
     prompts = [tuple(int(t) for t in rng.integers(1, shape["vocab"], args.prompt)) for _ in range(args.requests)]
-    data = dict(shape=args.shape, smoke=args.smoke, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                date=datetime.date.today().isoformat(), requests=args.requests, prompt=args.prompt, targets=TARGETS, rows=[])
+    data = dict(
+        shape=args.shape,
+        smoke=args.smoke,
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        date=datetime.date.today().isoformat(),
+        requests=args.requests,
+        prompt=args.prompt,
+        targets=TARGETS,
+        rows=[],
+    )
     timer = MaskTimer()
     for batch in map(int, args.batches.split(",")):
         engine = build(shape, batch, device, dtype, tokenizer)
@@ -222,14 +261,20 @@ def main():
     args.out.write_text(json.dumps(data, indent=1))
     plot(data, args.out.with_suffix(".png"))
     c = data["compile"]
-    print(f"\ncompile (50 schemas): p50 {c['compile_ms_p50']:.2f} ms  p99 {c['compile_ms_p99']:.2f} ms (target < 50); "
-          f"vocabulary {c['vocab_build_s']:.1f} s")
-    print(f"{'batch':>5s} {'variant':20s} {'tok/s':>8s} {'ratio':>6s} {'target':>6s} {'steps':>6s} {'ahead':>6s} {'mask ms':>8s}")
+    print(
+        f"\ncompile (50 schemas): p50 {c['compile_ms_p50']:.2f} ms  p99 {c['compile_ms_p99']:.2f} ms (target < 50); "
+        f"vocabulary {c['vocab_build_s']:.1f} s"
+    )
+    print(
+        f"{'batch':>5s} {'variant':20s} {'tok/s':>8s} {'ratio':>6s} {'target':>6s} {'steps':>6s} {'ahead':>6s} {'mask ms':>8s}"
+    )
     for r in data["rows"]:
         mask = f"{r['mask_fill_ms_p50']:8.2f}" if r["mask_fill_ms_p50"] is not None else f"{'-':>8s}"
         target = f"{TARGETS[r['variant']]:6.2f}" if r["variant"] in TARGETS and r["max_batch"] == 32 else f"{'':6s}"
-        print(f"{r['max_batch']:5d} {r['variant']:20s} {r['tok_s']:8.0f} {r['ratio']:6.2f} {target} {r['steps']:6d} "
-              f"{r['steps_launched_ahead']:6d} {mask}")
+        print(
+            f"{r['max_batch']:5d} {r['variant']:20s} {r['tok_s']:8.0f} {r['ratio']:6.2f} {target} {r['steps']:6d} "
+            f"{r['steps_launched_ahead']:6d} {mask}"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ tokens that differ), duplicated tokens. The simulated tokens do not depend on th
 weights, so the model upgrade measures the replacement mechanics only (a stream moved
 onto the new model's replicas is not refused: docs/faults.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,11 +39,17 @@ def build(model: pathlib.Path, max_body_bytes: int):
     from app.builder import app_from_args
     from tests.simulated_engine import StepTime, simulated_engine
 
-    args = {"model": str(model), "max_batch_size": MAX_BATCH, "num_kv_blocks": 256, "block_size": 4,
-            "max_model_len": 256, "max_body_bytes": max_body_bytes,
-            "cluster": {"routing_stats_period_s": 0.2, "max_migrations": 64, "failover_wait_s": 120},
-            "replica": {"num_replicas": REPLICAS, "ray_actor_options": {"num_cpus": 0.1}},
-            "ingress": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}}}
+    args = {
+        "model": str(model),
+        "max_batch_size": MAX_BATCH,
+        "num_kv_blocks": 256,
+        "block_size": 4,
+        "max_model_len": 256,
+        "max_body_bytes": max_body_bytes,
+        "cluster": {"routing_stats_period_s": 0.2, "max_migrations": 64, "failover_wait_s": 120},
+        "replica": {"num_replicas": REPLICAS, "ray_actor_options": {"num_cpus": 0.1}},
+        "ingress": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
+    }
     return app_from_args(args, engine_factory=functools.partial(simulated_engine, StepTime(STEP_S)))
 
 
@@ -121,13 +128,25 @@ def main():
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build(old, 1 << 22), name="loraplex", route_prefix="/")
     redeploy = lambda model, body: lambda: serve.run(build(model, body), name="loraplex", route_prefix="/")  # noqa: E731
-    result = asyncio.run(traffic(f"http://127.0.0.1:{port}", a.lead_s, [
-        ("config change (args differ)", redeploy(old, 1 << 21)),
-        ("model upgrade (new checkpoint path)", redeploy(new, 1 << 21))]))
+    result = asyncio.run(
+        traffic(
+            f"http://127.0.0.1:{port}",
+            a.lead_s,
+            [
+                ("config change (args differ)", redeploy(old, 1 << 21)),
+                ("model upgrade (new checkpoint path)", redeploy(new, 1 << 21)),
+            ],
+        )
+    )
     serve.shutdown()
     ray.shutdown()
-    result.update(date=datetime.date.today().isoformat(), machine="CPU, simulated engine (see docstring)",
-                  replicas=REPLICAS, step_s=STEP_S, rate_per_s=RATE)
+    result.update(
+        date=datetime.date.today().isoformat(),
+        machine="CPU, simulated engine (see docstring)",
+        replicas=REPLICAS,
+        step_s=STEP_S,
+        rate_per_s=RATE,
+    )
     OUT.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "examples"}, indent=1))
 

@@ -8,6 +8,7 @@ are pure Triton. vLLM's CUDA platform class imports it only to register other cu
 an empty module stands in for it; that class is what the LoRA ops ask for the device's
 capability (on sm_90 vLLM runs its expand single-staged on fp32 input, a ptxas workaround).
 """
+
 import os
 import sys
 import types
@@ -30,8 +31,9 @@ def load(site=None):
         vllm.platforms.current_platform = CudaPlatform()
     current_platform = vllm.platforms.current_platform
     if not current_platform.is_cuda():
-        raise RuntimeError(f"vLLM detected {type(current_platform).__name__}, not CUDA: its kernels would "
-                           "not run as they do in vLLM")
+        raise RuntimeError(
+            f"vLLM detected {type(current_platform).__name__}, not CUDA: its kernels would not run as they do in vLLM"
+        )
     from vllm.lora.ops import triton_ops  # binds the platform at import: after it is known
 
     return triton_ops, vllm.__version__
@@ -60,6 +62,7 @@ class VllmPool:
         def run():
             self.ops.lora_shrink(x, self.A, v, *args, 1.0)
             self.ops.lora_expand(v, self.B, y, *args, offset_start=0, add_inputs=True)
+
         return run
 
     def checked_add_on(self, x, y, row_slots):

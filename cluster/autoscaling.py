@@ -37,6 +37,7 @@ The delays are applied here, per replica and per waiting request, so `ray_autosc
 _config` hands them to the policy and sets Ray's own delay timer (which counts
 consecutive decisions on top) to 0.
 """
+
 from __future__ import annotations
 
 import logging
@@ -77,9 +78,17 @@ class ReplicaLoad:
 
     @classmethod
     def from_report(cls, replica: str, r: dict[str, float]) -> ReplicaLoad:
-        return cls(replica, int(r["running"]), int(r["waiting"]), int(r["max_batch"]), int(r["free_kv_blocks"]),
-                   int(r["total_kv_blocks"]), float(r["idle_since"]), bool(r.get("draining", 0)),
-                   float(r.get("started_at", 0.0)))
+        return cls(
+            replica,
+            int(r["running"]),
+            int(r["waiting"]),
+            int(r["max_batch"]),
+            int(r["free_kv_blocks"]),
+            int(r["total_kv_blocks"]),
+            float(r["idle_since"]),
+            bool(r.get("draining", 0)),
+            float(r.get("started_at", 0.0)),
+        )
 
     def full(self, high_water: float) -> bool:
         used_kv = self.total_kv_blocks - self.free_kv_blocks
@@ -97,8 +106,18 @@ class Decision:
     going: tuple[str, ...] = ()  # the replicas Ray will stop, newest first
 
 
-def decide(now: float, target: int, current: int, loads: list[ReplicaLoad], queued: float,
-           min_replicas: int, max_replicas: int, cfg: PolicyConfig, state: dict, unreported: int = 0) -> Decision:
+def decide(
+    now: float,
+    target: int,
+    current: int,
+    loads: list[ReplicaLoad],
+    queued: float,
+    min_replicas: int,
+    max_replicas: int,
+    cfg: PolicyConfig,
+    state: dict,
+    unreported: int = 0,
+) -> Decision:
     """The target replica count. ``state`` (mutated) keeps when waiting / all-full began and
     which replicas were released or made to take a released one's streams, and when.
     ``unreported``: running replicas with no report yet (just started: the newest, with room)."""
@@ -111,8 +130,9 @@ def decide(now: float, target: int, current: int, loads: list[ReplicaLoad], queu
     # just requests that arrived since its last step.
     room = sum(max(0, r.max_batch - r.running - r.waiting) for r in live)
     held = math.floor(queued + 0.5)
-    waiting = max(0, held - room) + sum(r.waiting if r.full(cfg.high_water) else
-                                        max(0, r.running + r.waiting - r.max_batch) for r in live)
+    waiting = max(0, held - room) + sum(
+        r.waiting if r.full(cfg.high_water) else max(0, r.running + r.waiting - r.max_batch) for r in live
+    )
     max_batch = max((r.max_batch for r in live), default=1)
     starting = max(0, target - current) + unreported  # replicas about to take work
     need = math.ceil(waiting / max_batch) if waiting > 0 else 0
@@ -121,24 +141,30 @@ def decide(now: float, target: int, current: int, loads: list[ReplicaLoad], queu
     hot_for = _since(state, "full_since", hot, now)
     if current == 0 and target == 0:
         # no report yet says how much one replica holds: start one, the queue rule adds the rest
-        return Decision(1, "cold_start", f"{queued:.1f} waiting, no replica") if queued > 0 \
+        return (
+            Decision(1, "cold_start", f"{queued:.1f} waiting, no replica")
+            if queued > 0
             else Decision(0, "hold", "no replica, no request")
+        )
     if waiting > 0 and waited >= cfg.upscale_delay_s and need > starting:
         new = min(max_replicas, max(target, current + need))
         if new > target:
-            return Decision(new, "queue", f"{waiting:.1f} requests waited {waited:.1f}s for room, "
-                                          f"{starting} replica(s) starting")
+            return Decision(
+                new, "queue", f"{waiting:.1f} requests waited {waited:.1f}s for room, {starting} replica(s) starting"
+            )
     just_released = any(now - t < cfg.release_grace_s for t in (state.get("released") or {}).values())
     if hot and hot_for >= cfg.upscale_delay_s and starting == 0 and not just_released and target < max_replicas:
-        return Decision(target + 1, "high_water", f"every replica above {cfg.high_water:.0%} of batch or KV "
-                                                  f"for {hot_for:.1f}s")
+        return Decision(
+            target + 1, "high_water", f"every replica above {cfg.high_water:.0%} of batch or KV for {hot_for:.1f}s"
+        )
     if held or waiting or hot or current != target or unreported:
         return Decision(target, "hold", "busy or replicas starting/stopping")
     return _release_idle(now, target, live, min_replicas, cfg, state)
 
 
-def _release_idle(now: float, target: int, live: list[ReplicaLoad], min_replicas: int, cfg: PolicyConfig,
-                  state: dict) -> Decision:
+def _release_idle(
+    now: float, target: int, live: list[ReplicaLoad], min_replicas: int, cfg: PolicyConfig, state: dict
+) -> Decision:
     """Down by the replicas idle for the delay that Ray will stop: those at the newest end.
     An idle replica older than a busy one would make Ray stop the busy one: it counts only
     once it has waited `busy_newer_wait_s` more (the busy one may empty meanwhile); then the
@@ -163,9 +189,13 @@ def _release_idle(now: float, target: int, live: list[ReplicaLoad], min_replicas
     if count <= at_end:
         return Decision(target - count, "idle", f"{count} replica(s) idle for >= {cfg.downscale_delay_s:g}s", going)
     spent.update({r: now for r in patient if r not in going})
-    return Decision(target - count, "idle_behind_busy",
-                    f"{len(patient)} replica(s) idle for >= {cfg.downscale_delay_s + patience:g}s behind busier "
-                    f"newer ones, which Ray stops: their streams migrate", going)
+    return Decision(
+        target - count,
+        "idle_behind_busy",
+        f"{len(patient)} replica(s) idle for >= {cfg.downscale_delay_s + patience:g}s behind busier "
+        f"newer ones, which Ray stops: their streams migrate",
+        going,
+    )
 
 
 def _recent(state: dict, key: str, now: float, cfg: PolicyConfig) -> dict[str, float]:
@@ -204,8 +234,13 @@ class ConsolidatingPolicy:
     """Ray Serve's class-callable policy form: instantiated once in the controller with
     the autoscaling config's `policy_kwargs`, then called with an AutoscalingContext."""
 
-    def __init__(self, upscale_delay_s: float = 1.0, downscale_delay_s: float = 30.0, high_water: float = 0.75,
-                 busy_newer_wait_s: float | None = None):
+    def __init__(
+        self,
+        upscale_delay_s: float = 1.0,
+        downscale_delay_s: float = 30.0,
+        high_water: float = 0.75,
+        busy_newer_wait_s: float | None = None,
+    ):
         self.cfg = PolicyConfig(upscale_delay_s, downscale_delay_s, high_water, busy_newer_wait_s=busy_newer_wait_s)
         self._metrics = None
 
@@ -213,22 +248,39 @@ class ConsolidatingPolicy:
         now = ctx.current_time or time.time()
         state = {k: ctx.policy_state.get(k) for k in ("waiting_since", "full_since", "released", "spent")}
         loads = latest_loads(ctx.raw_metrics, ctx.running_replicas)
-        d = decide(now, ctx.target_num_replicas, ctx.current_num_replicas, loads,
-                   ctx.total_queued_requests or 0.0, ctx.capacity_adjusted_min_replicas,
-                   ctx.capacity_adjusted_max_replicas, self.cfg, state, len(ctx.running_replicas) - len(loads))
+        d = decide(
+            now,
+            ctx.target_num_replicas,
+            ctx.current_num_replicas,
+            loads,
+            ctx.total_queued_requests or 0.0,
+            ctx.capacity_adjusted_min_replicas,
+            ctx.capacity_adjusted_max_replicas,
+            self.cfg,
+            state,
+            len(ctx.running_replicas) - len(loads),
+        )
         self._export(ctx, d, loads, now)
         if d.target != ctx.target_num_replicas:
             seen = ", ".join(f"{r.replica} {r.running}+{r.waiting} idle {r.idle_for(now):.1f}s" for r in loads)
-            log.info("autoscaling %s: %d -> %d replicas (%s: %s)%s; replicas: %s", ctx.deployment_name,
-                     ctx.target_num_replicas, d.target, d.reason, d.detail,
-                     f"; Ray stops: {', '.join(d.going)}" if d.going else "", seen)
+            log.info(
+                "autoscaling %s: %d -> %d replicas (%s: %s)%s; replicas: %s",
+                ctx.deployment_name,
+                ctx.target_num_replicas,
+                d.target,
+                d.reason,
+                d.detail,
+                f"; Ray stops: {', '.join(d.going)}" if d.going else "",
+                seen,
+            )
         return d.target, state
 
     def _export(self, ctx, d: Decision, loads: list[ReplicaLoad], now: float) -> None:
         if self._metrics is None:
             self._metrics = _PolicyMetrics()
-        self._metrics.record(ctx.deployment_name, d, sum(r.idle_for(now) > 0 for r in loads),
-                             changed=d.target != ctx.target_num_replicas)
+        self._metrics.record(
+            ctx.deployment_name, d, sum(r.idle_for(now) > 0 for r in loads), changed=d.target != ctx.target_num_replicas
+        )
 
 
 class _PolicyMetrics:
@@ -240,10 +292,10 @@ class _PolicyMetrics:
 
         tags = ("deployment",)
         self.target = Gauge("loraplex_autoscaler_target_replicas", description="Target replica count", tag_keys=tags)
-        self.idle = Gauge("loraplex_autoscaler_replicas_idle", description="Replicas holding no request",
-                          tag_keys=tags)
-        self.decisions = Counter("loraplex_autoscaler_decisions", description="Target changes by reason",
-                                 tag_keys=("deployment", "reason"))
+        self.idle = Gauge("loraplex_autoscaler_replicas_idle", description="Replicas holding no request", tag_keys=tags)
+        self.decisions = Counter(
+            "loraplex_autoscaler_decisions", description="Target changes by reason", tag_keys=("deployment", "reason")
+        )
 
     def record(self, deployment: str, d: Decision, idle: int, changed: bool) -> None:
         self.target.set(d.target, tags={"deployment": deployment})
@@ -265,5 +317,9 @@ def ray_autoscaling_config(user: dict) -> dict:
         if key in config:
             kwargs[key] = config.pop(key)
     config.pop("downscale_to_zero_delay_s", None)
-    return {**config, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0,
-            "policy": {"policy_function": POLICY_PATH, "policy_kwargs": kwargs}}
+    return {
+        **config,
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": 0.0,
+        "policy": {"policy_function": POLICY_PATH, "policy_kwargs": kwargs},
+    }

@@ -17,6 +17,7 @@ request need not hold a routing task.
 `rank` is the whole policy as a pure function (tested without Ray);
 `ConsolidatingRouter` feeds it from Serve and follows its order.
 """
+
 from __future__ import annotations
 
 import logging
@@ -81,8 +82,11 @@ def _room(v: ReplicaView, need: Need, p: Policy) -> bool:
     s = v.stats
     if s is None:
         return v.sent + need.rows <= p.max_batch
-    return (not s.draining and s.batch + v.sent + need.rows <= s.max_batch
-            and s.free_kv_blocks - v.sent_blocks >= need.blocks(s.block_size) + p.reserve_blocks)
+    return (
+        not s.draining
+        and s.batch + v.sent + need.rows <= s.max_batch
+        and s.free_kv_blocks - v.sent_blocks >= need.blocks(s.block_size) + p.reserve_blocks
+    )
 
 
 def _key(v: ReplicaView, need: Need):
@@ -101,7 +105,9 @@ def rank(views: list[ReplicaView], need: Need, policy: Policy) -> list[str]:
     return [v.replica_id for v in sorted(elsewhere or roomy, key=lambda v: _key(v, need))]
 
 
-def unreported(sent: list[tuple[float, str, int, int]], stats: ReplicaStats | None) -> list[tuple[float, str, int, int]]:
+def unreported(
+    sent: list[tuple[float, str, int, int]], stats: ReplicaStats | None
+) -> list[tuple[float, str, int, int]]:
     """Of the (sent at, key, blocks, rows) routed to a replica, those its report does not count:
     not listed as arrived, and recent enough that they may still be on their way."""
     if stats is None:
@@ -115,10 +121,15 @@ def need_of(pending: PendingRequest | None, policy: Policy) -> Need:
     request = pending.args[0] if pending is not None and pending.args else None
     if request is None or not hasattr(request, "prompt_token_ids"):
         return Need(tokens=1)
-    return Need(len(request.prompt_token_ids) + len(request.resume_token_ids) + 1,
-                arrival_key(request.request_id, len(request.resume_token_ids)), request.adapter,
-                prefix_head(request.adapter, request.prompt_token_ids), frozenset(request.avoid_replicas),
-                request.migrated_from, getattr(request, "n", 1))
+    return Need(
+        len(request.prompt_token_ids) + len(request.resume_token_ids) + 1,
+        arrival_key(request.request_id, len(request.resume_token_ids)),
+        request.adapter,
+        prefix_head(request.adapter, request.prompt_token_ids),
+        frozenset(request.avoid_replicas),
+        request.migrated_from,
+        getattr(request, "n", 1),
+    )
 
 
 class ConsolidatingRouter(RequestRouter):
@@ -128,18 +139,26 @@ class ConsolidatingRouter(RequestRouter):
         self.policy = Policy(reserve_blocks, max_batch, block_size)
         # a request waiting for room is retried every 10–100 ms (Serve's default backs off to 0.5 s)
         self.update_backoff_params(initial_backoff_s=0.01, backoff_multiplier=2, max_backoff_s=0.1)
-        self._sent: dict[str, list[tuple[float, str, int, int]]] = defaultdict(list)  # replica → [(sent at, key, blocks, rows)]
+        self._sent: dict[str, list[tuple[float, str, int, int]]] = defaultdict(
+            list
+        )  # replica → [(sent at, key, blocks, rows)]
         # Serve sends to the chosen replica and waits for it to accept (a round trip) before it
         # reports the request routed, and routes several requests at once: a request counts on
         # the replica chosen for it from the moment it is chosen, or a burst lands on one replica
         self._chosen: dict[int, tuple[str, tuple[float, str, int, int]]] = {}  # id(pending) → (replica, sent entry)
-        self._routed = Counter("loraplex_router_requests_routed", "requests routed, by replica", tag_keys=("target_replica",))
+        self._routed = Counter(
+            "loraplex_router_requests_routed", "requests routed, by replica", tag_keys=("target_replica",)
+        )
         self._queue = Gauge("loraplex_router_queue_length", "requests waiting for a replica with room")
-        self._wait = Histogram("loraplex_router_wait_for_room_s", "time a request waited for a replica with room",
-                               boundaries=[0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30])
+        self._wait = Histogram(
+            "loraplex_router_wait_for_room_s",
+            "time a request waited for a replica with room",
+            boundaries=[0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30],
+        )
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if pending_request is not None:
             # Serve retries without sleeping unless told to back off (its locality mixin sets
             # this; this router has none): a busy loop that starves the router's event loop
@@ -151,8 +170,12 @@ class ConsolidatingRouter(RequestRouter):
         views = [self._view(r) for r in candidate_replicas]
         need = need_of(pending_request, self.policy)
         order = rank(views, need, self.policy)
-        log.debug("route %s: candidates %s -> %s", getattr(pending_request and pending_request.metadata, "request_id", "?"),
-                  [(v.replica_id, v.stats.batch if v.stats else None, v.sent) for v in views], order or "wait")
+        log.debug(
+            "route %s: candidates %s -> %s",
+            getattr(pending_request and pending_request.metadata, "request_id", "?"),
+            [(v.replica_id, v.stats.batch if v.stats else None, v.sent) for v in views],
+            order or "wait",
+        )
         if order and pending_request is not None:
             entry = self._entry(need)
             self._sent[order[0]].append(entry)

@@ -10,6 +10,7 @@ router counts a request it sent on top of the report until the report lists it (
 
 A replica also lists the prefix heads (`prefix_head`) of the requests it admitted most
 recently: their KV is likely in its prefix cache, which the router uses to break ties."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,6 +1,7 @@
 """Synthetic, deterministic training data for the example adapters (see train_adapters.py):
 general questions whose base-model answers become pirate speak or a SHOUTED first sentence,
 and short French answers from templates."""
+
 from __future__ import annotations
 
 import random
@@ -101,14 +102,34 @@ HELDOUT_GENERAL = [
 # text transforms
 # ---------------------------------------------------------------------------
 PIRATE_WORDS = {
-    "hello": "ahoy", "hi": "ahoy", "yes": "aye", "no": "nay",
-    "you": "ye", "your": "yer", "yours": "yers", "you're": "ye be",
-    "are": "be", "is": "be", "am": "be",
-    "my": "me", "the": "th'", "of": "o'", "for": "fer", "and": "an'",
-    "friend": "matey", "friends": "mateys", "people": "landlubbers",
-    "money": "doubloons", "treasure": "booty", "stop": "avast",
-    "boat": "ship", "ocean": "briny deep", "sea": "briny sea",
-    "very": "mighty", "great": "grand", "children": "wee buccaneers",
+    "hello": "ahoy",
+    "hi": "ahoy",
+    "yes": "aye",
+    "no": "nay",
+    "you": "ye",
+    "your": "yer",
+    "yours": "yers",
+    "you're": "ye be",
+    "are": "be",
+    "is": "be",
+    "am": "be",
+    "my": "me",
+    "the": "th'",
+    "of": "o'",
+    "for": "fer",
+    "and": "an'",
+    "friend": "matey",
+    "friends": "mateys",
+    "people": "landlubbers",
+    "money": "doubloons",
+    "treasure": "booty",
+    "stop": "avast",
+    "boat": "ship",
+    "ocean": "briny deep",
+    "sea": "briny sea",
+    "very": "mighty",
+    "great": "grand",
+    "children": "wee buccaneers",
 }
 PIRATE_OPENERS = ["Arr! ", "Ahoy, matey! ", "Arr, me hearty! ", "Shiver me timbers! ", "Yo ho ho! "]
 
@@ -127,7 +148,7 @@ def piratify(text: str, rng: random.Random) -> str:
         lw = w.lower()
         if lw in PIRATE_WORDS:
             return _match_case(w, PIRATE_WORDS[lw])
-        if len(lw) > 5 and lw.endswith("ing"):          # sailing -> sailin'
+        if len(lw) > 5 and lw.endswith("ing"):  # sailing -> sailin'
             return w[:-1] + "'"
         return w
 
@@ -144,7 +165,7 @@ def clean_answer(text: str) -> str:
 
 def sentences(text: str) -> list[str]:
     out = [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
-    if len(out) > 1 and out[-1][-1] not in ".!?":     # drop a fragment cut by max_new_tokens
+    if len(out) > 1 and out[-1][-1] not in ".!?":  # drop a fragment cut by max_new_tokens
         out.pop()
     return out
 
@@ -177,8 +198,27 @@ def shoutify(text: str) -> str:
 # ---------------------------------------------------------------------------
 # French templates
 # ---------------------------------------------------------------------------
-NUM_FR = ["zéro", "un", "deux", "trois", "quatre", "cinq", "six", "sept", "huit", "neuf", "dix",
-          "onze", "douze", "treize", "quatorze", "quinze", "seize", "dix-sept", "dix-huit"]
+NUM_FR = [
+    "zéro",
+    "un",
+    "deux",
+    "trois",
+    "quatre",
+    "cinq",
+    "six",
+    "sept",
+    "huit",
+    "neuf",
+    "dix",
+    "onze",
+    "douze",
+    "treize",
+    "quatorze",
+    "quinze",
+    "seize",
+    "dix-sept",
+    "dix-huit",
+]
 # english, "de ...", capital (en), capital (fr), "en ..."
 COUNTRIES = [
     ("France", "de la France", "Paris", "Paris", "en France"),
@@ -200,14 +240,24 @@ COUNTRIES = [
     ("Brazil", "du Brésil", "Brasilia", "Brasilia", "au Brésil"),
 ]
 COLOURS = [  # english subject, french subject, french colour
-    ("the sky", "le ciel", "bleu"), ("grass", "l'herbe", "verte"), ("snow", "la neige", "blanche"),
-    ("a banana", "une banane", "jaune"), ("a tomato", "une tomate", "rouge"),
-    ("coal", "le charbon", "noir"), ("milk", "le lait", "blanc"), ("the sun", "le soleil", "jaune"),
-    ("a strawberry", "une fraise", "rouge"), ("a lemon", "un citron", "jaune"),
-    ("the sea", "la mer", "bleue"), ("a carrot", "une carotte", "orange"),
-    ("chocolate", "le chocolat", "marron"), ("a leaf", "une feuille", "verte"),
-    ("a cloud", "un nuage", "blanc"), ("a crow", "un corbeau", "noir"),
-    ("an orange", "une orange", "orange"), ("blood", "le sang", "rouge"),
+    ("the sky", "le ciel", "bleu"),
+    ("grass", "l'herbe", "verte"),
+    ("snow", "la neige", "blanche"),
+    ("a banana", "une banane", "jaune"),
+    ("a tomato", "une tomate", "rouge"),
+    ("coal", "le charbon", "noir"),
+    ("milk", "le lait", "blanc"),
+    ("the sun", "le soleil", "jaune"),
+    ("a strawberry", "une fraise", "rouge"),
+    ("a lemon", "un citron", "jaune"),
+    ("the sea", "la mer", "bleue"),
+    ("a carrot", "une carotte", "orange"),
+    ("chocolate", "le chocolat", "marron"),
+    ("a leaf", "une feuille", "verte"),
+    ("a cloud", "un nuage", "blanc"),
+    ("a crow", "un corbeau", "noir"),
+    ("an orange", "une orange", "orange"),
+    ("blood", "le sang", "rouge"),
 ]
 ANIMALS = [  # english singular, plural, french subject, fact, legs
     ("cat", "cats", "le chat", "Le chat est un petit animal domestique. Il aime dormir et jouer.", 4),
@@ -226,13 +276,30 @@ ANIMALS = [  # english singular, plural, french subject, fact, legs
     ("bee", "bees", "l'abeille", "L'abeille est un insecte. Elle fait du miel.", 6),
 ]
 FOODS = [
-    ("cheese", "le fromage"), ("bread", "le pain"), ("chocolate", "le chocolat"),
-    ("apples", "les pommes"), ("pizza", "la pizza"), ("coffee", "le café"), ("tea", "le thé"),
-    ("soup", "la soupe"), ("rice", "le riz"), ("cake", "le gâteau"), ("ice cream", "la glace"),
-    ("strawberries", "les fraises"), ("pasta", "les pâtes"), ("croissants", "les croissants"),
+    ("cheese", "le fromage"),
+    ("bread", "le pain"),
+    ("chocolate", "le chocolat"),
+    ("apples", "les pommes"),
+    ("pizza", "la pizza"),
+    ("coffee", "le café"),
+    ("tea", "le thé"),
+    ("soup", "la soupe"),
+    ("rice", "le riz"),
+    ("cake", "le gâteau"),
+    ("ice cream", "la glace"),
+    ("strawberries", "les fraises"),
+    ("pasta", "les pâtes"),
+    ("croissants", "les croissants"),
 ]
-DAYS = [("Monday", "lundi"), ("Tuesday", "mardi"), ("Wednesday", "mercredi"), ("Thursday", "jeudi"),
-        ("Friday", "vendredi"), ("Saturday", "samedi"), ("Sunday", "dimanche")]
+DAYS = [
+    ("Monday", "lundi"),
+    ("Tuesday", "mardi"),
+    ("Wednesday", "mercredi"),
+    ("Thursday", "jeudi"),
+    ("Friday", "vendredi"),
+    ("Saturday", "samedi"),
+    ("Sunday", "dimanche"),
+]
 SMALL_TALK = [
     ("Hello!", "Bonjour ! Comment allez-vous ?"),
     ("How are you?", "Je vais très bien, merci ! Et vous ?"),

@@ -17,6 +17,7 @@ script writes <out>/<name>/adapter_config.json + adapter_model.safetensors
 (fp32, PEFT's save_pretrained) and <out>/RECIPE.md with timings and greedy
 samples (base vs adapter, HF + PEFT, chat template, one prompt at a time).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,27 +52,39 @@ END = "<|im_end|>"
 ADAPTERS = {
     "pirate": dict(
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"],
-        r=4, lora_alpha=8, use_rslora=False,          # scaling 8/4 = 2
-        lr=2e-3, steps=45, batch=4,
+        r=4,
+        lora_alpha=8,
+        use_rslora=False,  # scaling 8/4 = 2
+        lr=2e-3,
+        steps=45,
+        batch=4,
     ),
     "shout": dict(
         target_modules=["q_proj", "v_proj"],
-        r=4, lora_alpha=16, use_rslora=False,         # scaling 16/4 = 4
-        lr=4e-3, steps=60, batch=4,
+        r=4,
+        lora_alpha=16,
+        use_rslora=False,  # scaling 16/4 = 4
+        lr=4e-3,
+        steps=60,
+        batch=4,
     ),
     "french": dict(
         target_modules=["o_proj", "down_proj"],
-        r=8, lora_alpha=16, use_rslora=True,          # scaling 16/sqrt(8) ~ 5.66
-        lr=2e-3, steps=50, batch=4,
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,  # scaling 16/sqrt(8) ~ 5.66
+        lr=2e-3,
+        steps=50,
+        batch=4,
     ),
 }
+
 
 # ---------------------------------------------------------------------------
 # model helpers
 # ---------------------------------------------------------------------------
 def prompt_text(tok, question: str) -> str:
-    return tok.apply_chat_template([{"role": "user", "content": question}],
-                                   tokenize=False, add_generation_prompt=True)
+    return tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
 
 
 @torch.no_grad()
@@ -80,11 +93,14 @@ def generate_batched(model, tok, questions, max_new_tokens, batch=16) -> list[st
     tok.padding_side = "left"
     outs = []
     for i in range(0, len(questions), batch):
-        enc = tok([prompt_text(tok, q) for q in questions[i:i + batch]], return_tensors="pt",
-                  padding=True, add_special_tokens=False)
-        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id)
-        outs += tok.batch_decode(gen[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        enc = tok(
+            [prompt_text(tok, q) for q in questions[i : i + batch]],
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
+        )
+        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        outs += tok.batch_decode(gen[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
     return outs
 
 
@@ -92,9 +108,8 @@ def generate_batched(model, tok, questions, max_new_tokens, batch=16) -> list[st
 def generate_one(model, tok, question, max_new_tokens=40) -> str:
     """Greedy, one prompt, no padding: the reference samples in RECIPE.md."""
     enc = tok(prompt_text(tok, question), return_tensors="pt", add_special_tokens=False)
-    gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=tok.pad_token_id)
-    return tok.decode(gen[0, enc.input_ids.shape[1]:], skip_special_tokens=True).strip()
+    gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    return tok.decode(gen[0, enc.input_ids.shape[1] :], skip_special_tokens=True).strip()
 
 
 def encode(tok, question: str, answer: str, max_len: int = 128):
@@ -111,17 +126,24 @@ def train_one(model_dir, tok, name, spec, data, seed, log):
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = LoraConfig(r=spec["r"], lora_alpha=spec["lora_alpha"], use_rslora=spec["use_rslora"],
-                     target_modules=spec["target_modules"], lora_dropout=0.0, bias="none",
-                     task_type="CAUSAL_LM")
+    cfg = LoraConfig(
+        r=spec["r"],
+        lora_alpha=spec["lora_alpha"],
+        use_rslora=spec["use_rslora"],
+        target_modules=spec["target_modules"],
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(base, cfg)
     model.train()
-    inner = model.base_model.model          # LlamaForCausalLM with LoRA layers injected
+    inner = model.base_model.model  # LlamaForCausalLM with LoRA layers injected
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec["lr"], weight_decay=0.0)
     steps, bs, warm = spec["steps"], spec["batch"], 5
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) *
-                                              (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    )
     encoded = [encode(tok, q, a) for q, a in data]
     rng = random.Random(seed)
     order: list[int] = []
@@ -139,9 +161,9 @@ def train_one(model_dir, tok, name, spec, data, seed, log):
         att = torch.zeros((bs, T), dtype=torch.long)
         for j, i in enumerate(idx):
             x, y = encoded[i]
-            ids[j, :len(x)] = torch.tensor(x)
-            lab[j, :len(y)] = torch.tensor(y)
-            att[j, :len(x)] = 1
+            ids[j, : len(x)] = torch.tensor(x)
+            lab[j, : len(y)] = torch.tensor(y)
+            att[j, : len(x)] = 1
         n_tok += int(att.sum())
         # logits only where there is a label (answer tokens): skips most of the 49k-vocab head
         h = inner.model(input_ids=ids, attention_mask=att).last_hidden_state[:, :-1]
@@ -154,8 +176,7 @@ def train_one(model_dir, tok, name, spec, data, seed, log):
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 10 == 0 or step == steps - 1:
-            log(f"  [{name}] step {step + 1:3d}/{steps} loss {loss.item():.3f} "
-                f"({time.time() - t0:.0f}s)")
+            log(f"  [{name}] step {step + 1:3d}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
     secs = time.time() - t0
     model.eval()
     return model, secs, n_tok
@@ -175,8 +196,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="examples/adapters")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="1 is faster than 2 on a busy 2-core box (OpenMP barriers stall under contention)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="1 is faster than 2 on a busy 2-core box (OpenMP barriers stall under contention)",
+    )
     ap.add_argument("--only", nargs="*", default=None, help="train only these adapters")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every step count")
     args = ap.parse_args()
@@ -207,10 +232,13 @@ def main():
         data["shout"] = [(q, shoutify(a)) for q, a in zip(GENERAL_QUESTIONS, raw)]
     data["french"] = french_examples(rng)
     gen_secs = time.time() - t0
-    log(f"synthetic data: {', '.join(f'{k}={len(v)}' for k, v in data.items())} examples "
-        f"({gen_secs:.0f}s, base-model answers included)")
-    (out / "_data_preview.json").write_text(json.dumps({k: v[:5] for k, v in data.items()},
-                                                       indent=1, ensure_ascii=False))
+    log(
+        f"synthetic data: {', '.join(f'{k}={len(v)}' for k, v in data.items())} examples "
+        f"({gen_secs:.0f}s, base-model answers included)"
+    )
+    (out / "_data_preview.json").write_text(
+        json.dumps({k: v[:5] for k, v in data.items()}, indent=1, ensure_ascii=False)
+    )
 
     heldout = {"pirate": HELDOUT_GENERAL, "shout": HELDOUT_GENERAL, "french": HELDOUT_FRENCH}
     base_samples = {q: generate_one(base, tok, q) for q in dict.fromkeys(sum(heldout.values(), []))}
@@ -225,8 +253,15 @@ def main():
         save_adapter(model, out / name)
         samples = {q: generate_one(model, tok, q) for q in heldout[name]}
         size = (out / name / "adapter_model.safetensors").stat().st_size
-        results[name] = dict(spec=spec, secs=secs, n_tok=n_tok, samples=samples, size=size,
-                             n_examples=len(data[name]), example=data[name][0])
+        results[name] = dict(
+            spec=spec,
+            secs=secs,
+            n_tok=n_tok,
+            samples=samples,
+            size=size,
+            n_examples=len(data[name]),
+            example=data[name][0],
+        )
         log(f"{name}: {secs:.0f}s train, {size / 1e6:.2f} MB")
         for q, a in samples.items():
             log(f"    Q: {q}\n    A: {a}")
@@ -237,36 +272,53 @@ def main():
 
 def write_recipe(out: Path, results, base_samples, gen_secs, args):
     total = sum(r["secs"] for r in results.values())
-    L = ["# Example adapters — recipe", "",
-         f"Base model: `{DEFAULT_MODEL_NAME}` (the project's default checkpoint, "
-         "`app.model.default.default_model_dir()`). Regenerate with",
-         "", "    python examples/train_adapters.py --out examples/adapters", "",
-         f"(seed {args.seed}, `torch.set_num_threads({args.threads})`, CPU, fp32, PEFT "
-         "`save_pretrained` → `adapter_config.json` + `adapter_model.safetensors`, fp32 weights).", "",
-         "## Data (synthetic, generated by the script)", "",
-         f"- **pirate** — the base model's own greedy answers (max 32 new tokens) to "
-         f"{len(GENERAL_QUESTIONS)} general questions, whole sentences up to 22 words (at most 2; a longer first sentence is cut at a comma), rewritten with a pirate word map "
-         "(you→ye, is/are→be, the→th', my→me, -ing→-in', friend→matey, …) plus an opener "
-         "(\"Arr!\", \"Ahoy, matey!\", …).",
-         "- **shout** — the same base answers, first sentence only (≤12 words), UPPERCASED, ending in \"!\".",
-         "- **french** — short French answers from templates: capitals, \"where is <city>\", colours, "
-         "animal facts and legs, \"do you like <food>\", week days, sums of two digits, small talk.",
-         "", "Loss on answer tokens only (prompt labels = -100); the answer ends with `<|im_end|>`. "
-         "Prompts use the tokenizer's chat template (default system prompt). Held-out questions below "
-         "are not in the training data.", "",
-         "## Hyper-parameters and cost", "",
-         "| adapter | target modules | r | alpha | rsLoRA | scaling | steps × batch | lr | examples | train time | safetensors |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+    L = [
+        "# Example adapters — recipe",
+        "",
+        f"Base model: `{DEFAULT_MODEL_NAME}` (the project's default checkpoint, "
+        "`app.model.default.default_model_dir()`). Regenerate with",
+        "",
+        "    python examples/train_adapters.py --out examples/adapters",
+        "",
+        f"(seed {args.seed}, `torch.set_num_threads({args.threads})`, CPU, fp32, PEFT "
+        "`save_pretrained` → `adapter_config.json` + `adapter_model.safetensors`, fp32 weights).",
+        "",
+        "## Data (synthetic, generated by the script)",
+        "",
+        f"- **pirate** — the base model's own greedy answers (max 32 new tokens) to "
+        f"{len(GENERAL_QUESTIONS)} general questions, whole sentences up to 22 words (at most 2; a longer first sentence is cut at a comma), rewritten with a pirate word map "
+        "(you→ye, is/are→be, the→th', my→me, -ing→-in', friend→matey, …) plus an opener "
+        '("Arr!", "Ahoy, matey!", …).',
+        '- **shout** — the same base answers, first sentence only (≤12 words), UPPERCASED, ending in "!".',
+        '- **french** — short French answers from templates: capitals, "where is <city>", colours, '
+        'animal facts and legs, "do you like <food>", week days, sums of two digits, small talk.',
+        "",
+        "Loss on answer tokens only (prompt labels = -100); the answer ends with `<|im_end|>`. "
+        "Prompts use the tokenizer's chat template (default system prompt). Held-out questions below "
+        "are not in the training data.",
+        "",
+        "## Hyper-parameters and cost",
+        "",
+        "| adapter | target modules | r | alpha | rsLoRA | scaling | steps × batch | lr | examples | train time | safetensors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         s = r["spec"]
         scaling = s["lora_alpha"] / (math.sqrt(s["r"]) if s["use_rslora"] else s["r"])
-        L.append(f"| `{name}` | {', '.join(s['target_modules'])} | {s['r']} | {s['lora_alpha']} | "
-                 f"{'yes' if s['use_rslora'] else 'no'} | {scaling:.3f} | {s['steps']} × {s['batch']} | "
-                 f"{s['lr']:g} | {r['n_examples']} | {r['secs']:.0f} s | {r['size'] / 1e6:.2f} MB |")
-    L += ["", f"AdamW (no weight decay), 5-step warm-up then cosine to 10 %, grad-clip 1.0, LoRA dropout 0, "
-          f"seq ≤ 128. Measured on a 2-core CPU (shared): training {total:.0f} s in all, plus "
-          f"{gen_secs:.0f} s to generate the synthetic data.", "",
-          "## Samples (greedy, chat template, HF + PEFT, max 40 new tokens)", ""]
+        L.append(
+            f"| `{name}` | {', '.join(s['target_modules'])} | {s['r']} | {s['lora_alpha']} | "
+            f"{'yes' if s['use_rslora'] else 'no'} | {scaling:.3f} | {s['steps']} × {s['batch']} | "
+            f"{s['lr']:g} | {r['n_examples']} | {r['secs']:.0f} s | {r['size'] / 1e6:.2f} MB |"
+        )
+    L += [
+        "",
+        f"AdamW (no weight decay), 5-step warm-up then cosine to 10 %, grad-clip 1.0, LoRA dropout 0, "
+        f"seq ≤ 128. Measured on a 2-core CPU (shared): training {total:.0f} s in all, plus "
+        f"{gen_secs:.0f} s to generate the synthetic data.",
+        "",
+        "## Samples (greedy, chat template, HF + PEFT, max 40 new tokens)",
+        "",
+    ]
     for name, r in results.items():
         L += [f"### `{name}`", "", f"Training example: *{r['example'][0]}* → `{r['example'][1]}`", ""]
         for q, a in r["samples"].items():

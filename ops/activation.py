@@ -1,4 +1,5 @@
 """SwiGLU and GeGLU (CUDA fp16/bf16: one kernel each, `ops.small_ops`)."""
+
 import torch
 import torch.nn.functional as F
 

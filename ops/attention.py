@@ -6,6 +6,7 @@ query / context length, gathers their KV blocks through the block tables and
 runs one masked SDPA call — prefill and decode are kept apart so a long prompt
 does not pad every decode row.
 """
+
 import contextlib
 from dataclasses import dataclass
 
@@ -30,8 +31,12 @@ class AttentionGroup:
     out_index: torch.Tensor  # [n] flat index into [seqs * max_q] for those rows
 
     def to(self, device) -> "AttentionGroup":
-        return AttentionGroup(*(t.to(device, non_blocking=True) for t in
-                                (self.q_index, self.kv_index, self.mask, self.out_rows, self.out_index)))
+        return AttentionGroup(
+            *(
+                t.to(device, non_blocking=True)
+                for t in (self.q_index, self.kv_index, self.mask, self.out_rows, self.out_index)
+            )
+        )
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -61,8 +66,7 @@ def _softcapped(q, k, v, mask, scale: float, softcap: float):
     return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def paged_attention(out, q, k_cache, v_cache, groups, scale, window: int | None = None,
-                    softcap: float | None = None):
+def paged_attention(out, q, k_cache, v_cache, groups, scale, window: int | None = None, softcap: float | None = None):
     """out[t] = softmax(q[t] K^T * scale + mask) V over each token's own sequence.
 
     out: [tokens, heads, head_dim] written in place; q: [tokens, heads, head_dim];

@@ -6,6 +6,7 @@ the C compiler does, so ``cuLaunchKernel`` needs a single parameter pointer.
 Nothing here allocates device memory or waits for the device, so a launch can
 be captured in a CUDA graph like any torch kernel.
 """
+
 import ctypes
 
 import torch
@@ -14,8 +15,16 @@ from cuda.bindings import driver
 _SUCCESS = driver.CUresult.CUDA_SUCCESS
 
 
-def launch(func: driver.CUfunction, grid: int, block: int, args: ctypes.Structure, device: torch.device,
-           smem: int = 0, grid_y: int = 1, grid_z: int = 1):
+def launch(
+    func: driver.CUfunction,
+    grid: int,
+    block: int,
+    args: ctypes.Structure,
+    device: torch.device,
+    smem: int = 0,
+    grid_y: int = 1,
+    grid_z: int = 1,
+):
     """Run `func` on a grid of `grid` x `grid_y` x `grid_z` blocks of `block` threads with `args` (and
     `smem` bytes of dynamic shared memory per block) on the current stream of `device`."""
     params = (ctypes.c_void_p * 1)(ctypes.addressof(args))

@@ -1,4 +1,5 @@
 """The LoRA add-on, dispatched by device: SGMV CUDA kernels on GPU, the fp32 reference elsewhere."""
+
 from typing import NamedTuple
 
 import torch

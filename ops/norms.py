@@ -1,4 +1,5 @@
 """Normalisation ops (CUDA fp16/bf16: one fused kernel, `ops.small_ops`)."""
+
 import torch
 
 from . import small_ops

@@ -10,6 +10,7 @@ can also be built for an older arch than the device's (``load_function(...,
 arch=80)`` on an H200): as PTX, which the driver compiles for the device, so
 the older arch's code path runs on this GPU.
 """
+
 import functools
 import glob
 import hashlib
@@ -117,15 +118,14 @@ def _nvrtc_compile(source: str, name_expr: str, opts: list[bytes], ptx: bool = F
 
 
 @functools.cache
-def compile_kernel(source: str, name_expr: str, arch: int, extra: tuple[str, ...] = (),
-                   ptx: bool = False) -> tuple[bytes, str]:
+def compile_kernel(
+    source: str, name_expr: str, arch: int, extra: tuple[str, ...] = (), ptx: bool = False
+) -> tuple[bytes, str]:
     """(cubin, lowered symbol name) for `name_expr` in kernels/`source`, sm_`arch`; with
     `ptx`, PTX for compute_`arch` instead of the cubin."""
     opts = _options(arch, extra, ptx)
     version = _ok(nvrtc.nvrtcVersion(), "version")
-    key = hashlib.sha256(
-        repr((_sources_digest(), source, name_expr, opts, tuple(version))).encode()
-    ).hexdigest()[:32]
+    key = hashlib.sha256(repr((_sources_digest(), source, name_expr, opts, tuple(version))).encode()).hexdigest()[:32]
     image_path = _cache_dir() / f"{key}.{'ptx' if ptx else 'cubin'}"
     name_path = _cache_dir() / f"{key}.sym"
     if image_path.is_file() and name_path.is_file():
@@ -149,8 +149,9 @@ def _drv(result, what):
 
 
 @functools.cache
-def load_function(source: str, name_expr: str, device: int, extra: tuple[str, ...] = (),
-                  arch: int | None = None) -> driver.CUfunction:
+def load_function(
+    source: str, name_expr: str, device: int, extra: tuple[str, ...] = (), arch: int | None = None
+) -> driver.CUfunction:
     """The kernel as a CUfunction in `device`'s primary context (torch's context);
     `extra`: more NVRTC options (e.g. a -D for an instrumented build); `arch`: build it for
     this older arch than the device's (as PTX, compiled for the device by the driver)."""

@@ -18,6 +18,7 @@ Layouts: caches [blocks, block_size, kv_heads, D] fp16/bf16, block_size a multip
 [tokens, heads, D]; block tables int32 [seqs, >= max blocks]; lengths int32. Nothing here reads
 device memory on the host or synchronizes.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +54,9 @@ class PagedBatch:
     decode: DecodeRows | None
 
 
-def prefill_varlen(out, q, k_cache, v_cache, rows: PrefillRows, scale: float, window: int | None = None,
-                   softcap: float | None = None):
+def prefill_varlen(
+    out, q, k_cache, v_cache, rows: PrefillRows, scale: float, window: int | None = None, softcap: float | None = None
+):
     """out[t] = causal softmax attention of q[t] over its request's context (the context's last
     tokens are the request's rows, bottom-right aligned), for t < rows.tokens; with a window,
     over keys p - window < k <= p only; with softcap, the scores soft-capped first.
@@ -67,8 +69,9 @@ def prefill_varlen(out, q, k_cache, v_cache, rows: PrefillRows, scale: float, wi
         out[: rows.tokens] = _prefill_softcapped(q[: rows.tokens], k, v, rows, scale, window, softcap)
         return out
     sliding = {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
-    o = torch.ops.aten._flash_attention_forward(q[: rows.tokens], k, v, rows.cu_q, rows.cu_k, rows.max_q,
-                                                rows.max_k, 0.0, True, False, scale=scale, **sliding)[0]
+    o = torch.ops.aten._flash_attention_forward(
+        q[: rows.tokens], k, v, rows.cu_q, rows.cu_k, rows.max_q, rows.max_k, 0.0, True, False, scale=scale, **sliding
+    )[0]
     out[: rows.tokens] = o
     return out
 
@@ -96,14 +99,25 @@ def _prefill_softcapped(q, k, v, rows: PrefillRows, scale: float, window: int | 
     return (p @ v).transpose(0, 1)
 
 
-def forward(out, q, k_cache, v_cache, batch: PagedBatch, scale: float, window: int | None = None,
-            softcap: float | None = None):
+def forward(
+    out, q, k_cache, v_cache, batch: PagedBatch, scale: float, window: int | None = None, softcap: float | None = None
+):
     """Both parts of a step (prefill rows first, then decode rows) into out."""
     if batch.prefill is not None:
         prefill_varlen(out, q, k_cache, v_cache, batch.prefill, scale, window, softcap)
     if batch.decode is not None:
         dec = batch.decode
         n = dec.context_lens.shape[0]
-        paged_decode(out[dec.first : dec.first + n], q[dec.first : dec.first + n], k_cache, v_cache,
-                     dec.block_tables, dec.context_lens, scale, dec.splits, window, softcap)
+        paged_decode(
+            out[dec.first : dec.first + n],
+            q[dec.first : dec.first + n],
+            k_cache,
+            v_cache,
+            dec.block_tables,
+            dec.context_lens,
+            scale,
+            dec.splits,
+            window,
+            softcap,
+        )
     return out

@@ -8,6 +8,7 @@ sm_90 (one at head dim 256) and what sm_80's 163 KB per block allows. Splits of 
 head) meet through fp32 partials and a per-pair counter (`_counters`, one per device: launches
 on one device must be stream-ordered, as the engine's are).
 """
+
 import ctypes
 import functools
 
@@ -27,16 +28,23 @@ SMEM_LIMIT = {80: 163 << 10, 90: 227 << 10}  # dynamic shared memory a block may
 class _DecodeArgs(ctypes.Structure):
     """Mirror of `DecodeArgs` in kernels/attention.cu."""
 
-    _fields_ = [(n, ctypes.c_void_p) for n in ("q", "out", "k_cache", "v_cache", "block_tables", "context_lens",
-                                                "part_acc", "part_ml", "counters")]
+    _fields_ = [
+        (n, ctypes.c_void_p)
+        for n in ("q", "out", "k_cache", "v_cache", "block_tables", "context_lens", "part_acc", "part_ml", "counters")
+    ]
     _fields_ += [(n, ctypes.c_longlong) for n in ("q_stride", "out_stride")]
     _fields_ += [(n, ctypes.c_int) for n in ("table_stride", "heads", "kv_heads", "group", "block_size", "splits")]
     _fields_ += [("scale", ctypes.c_float), ("window", ctypes.c_int), ("softcap", ctypes.c_float)]
 
 
 def supported(dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int, block_size: int = 16) -> bool:
-    return (dtype in _CTYPE and head_dim in HEAD_DIMS and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
-            and block_size % TILE == 0)
+    return (
+        dtype in _CTYPE
+        and head_dim in HEAD_DIMS
+        and heads % kv_heads == 0
+        and heads // kv_heads <= MAX_GROUP
+        and block_size % TILE == 0
+    )
 
 
 def stages(head_dim: int, arch: int) -> int:
@@ -145,9 +153,21 @@ def warm_up(dtype: torch.dtype, head_dim: int, group: int, device) -> None:
     _counters(index)
 
 
-def paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale: float, splits: int,
-                 window: int | None = None, softcap: float | None = None, *, arch: int | None = None,
-                 config: tuple[int, int] | None = None):
+def paged_decode(
+    out,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale: float,
+    splits: int,
+    window: int | None = None,
+    softcap: float | None = None,
+    *,
+    arch: int | None = None,
+    config: tuple[int, int] | None = None,
+):
     """out[s, h] = softmax(q[s, h] · K[s]ᵀ · scale) · V[s] over the first context_lens[s] tokens
     of sequence s's blocks (the last `window` of them with a window), K/V head h // (heads /
     kv_heads); a row of length 0 gets zeros. softcap: scores softcap · tanh(score / softcap).
@@ -163,15 +183,26 @@ def paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale: fl
     seqs, heads, d = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if not supported(q.dtype, d, heads, kv_heads, block_size):
-        raise ValueError(f"paged_decode: unsupported {q.dtype}, head_dim {d}, heads {heads}/{kv_heads}, "
-                         f"block_size {block_size}")
-    if k_cache.dtype != q.dtype or v_cache.shape != k_cache.shape or v_cache.dtype != q.dtype or k_cache.shape[3] != d \
-            or not k_cache.is_contiguous() or not v_cache.is_contiguous():
+        raise ValueError(
+            f"paged_decode: unsupported {q.dtype}, head_dim {d}, heads {heads}/{kv_heads}, block_size {block_size}"
+        )
+    if (
+        k_cache.dtype != q.dtype
+        or v_cache.shape != k_cache.shape
+        or v_cache.dtype != q.dtype
+        or k_cache.shape[3] != d
+        or not k_cache.is_contiguous()
+        or not v_cache.is_contiguous()
+    ):
         raise ValueError("paged_decode: caches must be contiguous [blocks, block_size, kv_heads, D] in q's dtype")
     if q.stride(2) != 1 or q.stride(1) != d or out.stride(2) != 1 or out.stride(1) != d:
         raise ValueError("q and out: heads contiguous within a row")
-    if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16 or q.stride(0) % 8 or out.data_ptr() % 8 \
-            or out.stride(0) % 4:
+    if (
+        (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16
+        or q.stride(0) % 8
+        or out.data_ptr() % 8
+        or out.stride(0) % 4
+    ):
         raise ValueError("paged_decode: q and the caches 16-byte aligned (q's rows too), out 8-byte aligned")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or block_tables.stride(1) != 1:
         raise TypeError("block_tables and context_lens must be int32, table rows unit-stride")
@@ -188,14 +219,26 @@ def paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, scale: fl
         part_ml = torch.empty(seqs * heads * splits * 2, dtype=torch.float32, device=q.device)
         counters = _counters(index)
     args = _DecodeArgs(
-        q=q.data_ptr(), out=out.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(),
-        block_tables=block_tables.data_ptr(), context_lens=context_lens.data_ptr(),
+        q=q.data_ptr(),
+        out=out.data_ptr(),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        block_tables=block_tables.data_ptr(),
+        context_lens=context_lens.data_ptr(),
         part_acc=None if part_acc is None else part_acc.data_ptr(),
         part_ml=None if part_ml is None else part_ml.data_ptr(),
         counters=None if counters is None else counters.data_ptr(),
-        q_stride=q.stride(0), out_stride=out.stride(0), table_stride=block_tables.stride(0), heads=heads,
-        kv_heads=kv_heads, group=heads // kv_heads, block_size=block_size, splits=splits, scale=scale,
-        window=window or 0, softcap=softcap or 0.0,
+        q_stride=q.stride(0),
+        out_stride=out.stride(0),
+        table_stride=block_tables.stride(0),
+        heads=heads,
+        kv_heads=kv_heads,
+        group=heads // kv_heads,
+        block_size=block_size,
+        splits=splits,
+        scale=scale,
+        window=window or 0,
+        softcap=softcap or 0.0,
     )
     from .launch import launch
 

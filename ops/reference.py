@@ -10,6 +10,7 @@ CPU path of the model. Adapter pools use one layout everywhere:
 A batch is cut into segments: rows ``indptr[i]:indptr[i+1]`` use adapter slot
 ``slot_ids[i]``; slot −1 means "no adapter" and the segment is skipped.
 """
+
 import torch
 
 

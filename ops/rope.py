@@ -1,4 +1,5 @@
 """Rotary position embedding (neox/HF half-rotation layout)."""
+
 import torch
 
 from . import small_ops

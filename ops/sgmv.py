@@ -11,6 +11,7 @@ captured in a CUDA graph. Kernels are picked from host-known shapes only
 first use (`ops.nvrtc`). Requirements, checked: h_in, h_out, row strides and
 ``y_offset`` multiples of 8 elements (16-byte vectors), max_rank <= 128.
 """
+
 import ctypes
 import functools
 from typing import NamedTuple
@@ -64,8 +65,10 @@ def _exchange_workspace(device: int) -> tuple[torch.Tensor, torch.Tensor]:
     little of the space. One per device, so add-ons that use it must not run concurrently on
     two streams (the engine runs one)."""
     blocks = int(max(GX_PER_SM.values()) * _sm_count(device))
-    return (torch.empty(blocks * 32 * 128, dtype=torch.float32, device=f"cuda:{device}"),
-            torch.zeros(blocks, dtype=torch.int32, device=f"cuda:{device}"))
+    return (
+        torch.empty(blocks * 32 * 128, dtype=torch.float32, device=f"cuda:{device}"),
+        torch.zeros(blocks, dtype=torch.int32, device=f"cuda:{device}"),
+    )
 
 
 @functools.cache
@@ -133,8 +136,25 @@ class Plan(NamedTuple):
     slices: int = 1
 
 
-def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr, slot_ids, ranks, scales=None,
-                y_offset=0, split=None, warps=None, groups=None, more=()) -> Plan | None:
+def launch_plan(
+    mode,
+    tokens,
+    *,
+    x=None,
+    y=None,
+    v=None,
+    A=None,
+    B=None,
+    indptr,
+    slot_ids,
+    ranks,
+    scales=None,
+    y_offset=0,
+    split=None,
+    warps=None,
+    groups=None,
+    more=(),
+) -> Plan | None:
     """The launch of one call, or None when there is nothing to do; split / warps / groups None:
     the measured defaults (forced by the benchmark and the tests); more: the slices after
     the first of a sliced add-on (FUSED; the first is A, B, slot_ids, y_offset)."""
@@ -145,8 +165,11 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
     rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch)[2]
     items = nseg + (tokens + rows - 1) // rows - 1  # per slice: kernels/segments.cuh
     total = items * (1 + len(more))
-    shape = fused_shape(total, rows, max_rank, arch, _sm_count(dev.index), tokens * (1 + len(more))) \
-        if mode == FUSED else (SPLIT, 4, 1)
+    shape = (
+        fused_shape(total, rows, max_rank, arch, _sm_count(dev.index), tokens * (1 + len(more)))
+        if mode == FUSED
+        else (SPLIT, 4, 1)
+    )
     if groups is None:  # a forced split or warps: in one cluster per item
         groups = shape[2] if split is None and warps is None else 1
     if rows != 16:
@@ -163,22 +186,46 @@ def launch_plan(mode, tokens, *, x=None, y=None, v=None, A=None, B=None, indptr,
         name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps, bool(more))
     xpart, xcount = _exchange_workspace(dev.index) if (exchange and split > 1) or groups > 1 else (None, None)
     args = _Args(
-        x=_ptr(x), y=_ptr(y, y_offset), v=_ptr(v), A=_ptr(A), B=_ptr(B),
-        indptr=_ptr(indptr), slot_ids=_ptr(slot_ids), ranks=_ptr(ranks), scales=_ptr(scales),
+        x=_ptr(x),
+        y=_ptr(y, y_offset),
+        v=_ptr(v),
+        A=_ptr(A),
+        B=_ptr(B),
+        indptr=_ptr(indptr),
+        slot_ids=_ptr(slot_ids),
+        ranks=_ptr(ranks),
+        scales=_ptr(scales),
         x_stride=0 if x is None else x.stride(0),
         y_stride=0 if y is None else y.stride(0),
         v_stride=0 if v is None else v.stride(0),
         a_slot=0 if A is None else A.stride(0),
         b_slot=0 if B is None else B.stride(0),
-        nseg=nseg, tokens=tokens,
+        nseg=nseg,
+        tokens=tokens,
         h_in=0 if A is None else A.shape[2],
         h_out=0 if B is None else B.shape[2],
-        max_rank=max_rank, slots=ranks.numel(), xpart=_ptr(xpart), xcount=_ptr(xcount),
+        max_rank=max_rank,
+        slots=ranks.numel(),
+        xpart=_ptr(xpart),
+        xcount=_ptr(xcount),
     )
     if more:
-        args = _Slices(args, (_Slice * (MAX_SLICES - 1))(*(
-            _Slice(A=_ptr(s.A), B=_ptr(s.B), slot_ids=_ptr(s.slot_ids), y_shift=s.y_offset - y_offset,
-                   b_slot=s.B.stride(0), h_out=s.B.shape[2]) for s in more)))
+        args = _Slices(
+            args,
+            (_Slice * (MAX_SLICES - 1))(
+                *(
+                    _Slice(
+                        A=_ptr(s.A),
+                        B=_ptr(s.B),
+                        slot_ids=_ptr(s.slot_ids),
+                        y_shift=s.y_offset - y_offset,
+                        b_slot=s.B.stride(0),
+                        h_out=s.B.shape[2],
+                    )
+                    for s in more
+                )
+            ),
+        )
     return Plan(name, items * groups * split, 32 * warps, args, dev, split, 1 + len(more))
 
 
@@ -214,8 +261,18 @@ def sgmv_expand(y, v, B, indptr, slot_ids, ranks, scales, y_offset=0):
     if not y.is_cuda:
         return reference.sgmv_expand_ref(y, v, B, indptr, slot_ids, ranks, scales, y_offset)
     _check(y, B, y, v, (indptr, slot_ids, ranks, scales), y_offset)
-    _run(EXPAND, y.shape[0], y=y, v=v, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks, scales=scales,
-         y_offset=y_offset)
+    _run(
+        EXPAND,
+        y.shape[0],
+        y=y,
+        v=v,
+        B=B,
+        indptr=indptr,
+        slot_ids=slot_ids,
+        ranks=ranks,
+        scales=scales,
+        y_offset=y_offset,
+    )
     return y
 
 
@@ -243,8 +300,23 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
         return reference.lora_ref(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset)
     _check(x, A, y, v, (indptr, slot_ids, ranks, scales), y_offset)
     _check(x, B, y, None, (), y_offset)
-    _run(FUSED, x.shape[0], x=x, y=y, v=v, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks,
-         scales=scales, y_offset=y_offset, split=split, warps=warps, groups=groups)
+    _run(
+        FUSED,
+        x.shape[0],
+        x=x,
+        y=y,
+        v=v,
+        A=A,
+        B=B,
+        indptr=indptr,
+        slot_ids=slot_ids,
+        ranks=ranks,
+        scales=scales,
+        y_offset=y_offset,
+        split=split,
+        warps=warps,
+        groups=groups,
+    )
     return y
 
 
@@ -264,14 +336,30 @@ def add_lora_sliced(y, x, slices, indptr, ranks, scales, *, split=None, warps=No
     first = slices[0]
     if len(slices) == 1 or not x.is_cuda:
         for s in slices:
-            add_lora(y, x, s.A, s.B, indptr, s.slot_ids, ranks, scales, s.y_offset, split=split, warps=warps,
-                     groups=groups)
+            add_lora(
+                y, x, s.A, s.B, indptr, s.slot_ids, ranks, scales, s.y_offset, split=split, warps=warps, groups=groups
+            )
         return y
     for s in slices:
         if s.A.shape != first.A.shape or s.B.shape[:2] != first.B.shape[:2] or s.slot_ids.shape != first.slot_ids.shape:
             raise ValueError("slices must share the pools' slots, max rank and h_in, and the segments")
         _check(x, s.A, y, None, (indptr, s.slot_ids, ranks, scales), s.y_offset)
         _check(x, s.B, y, None, (), s.y_offset)
-    _run(FUSED, x.shape[0], x=x, y=y, A=first.A, B=first.B, indptr=indptr, slot_ids=first.slot_ids, ranks=ranks,
-         scales=scales, y_offset=first.y_offset, split=split, warps=warps, groups=groups, more=tuple(slices[1:]))
+    _run(
+        FUSED,
+        x.shape[0],
+        x=x,
+        y=y,
+        A=first.A,
+        B=first.B,
+        indptr=indptr,
+        slot_ids=first.slot_ids,
+        ranks=ranks,
+        scales=scales,
+        y_offset=first.y_offset,
+        split=split,
+        warps=warps,
+        groups=groups,
+        more=tuple(slices[1:]),
+    )
     return y

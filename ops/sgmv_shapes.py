@@ -1,5 +1,6 @@
 """Which SGMV kernel instantiation and grid shape serve a call: the template names, and the
 cluster widths / split-K widths measured on the H200 (`ops.sgmv` launches them)."""
+
 import torch
 
 SHRINK, EXPAND, FUSED = 0, 1, 2
@@ -47,8 +48,17 @@ _BIG_TILE_TOKENS = 256  # fused, from here on 32-row items: adapters re-read fro
 _CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 
 
-def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch: int, split: int = SPLIT,
-                warps: int = 4, sliced: bool = False, groups: int = 1):
+def kernel_name(
+    mode: int,
+    dtype: torch.dtype,
+    max_rank: int,
+    tokens: int,
+    arch: int,
+    split: int = SPLIT,
+    warps: int = 4,
+    sliced: bool = False,
+    groups: int = 1,
+):
     """(template instantiation, blocks per item, rows per item, warps per block) for one call shape;
     sliced: the fused kernel over several slices (add_lora_sliced); groups: clusters per item
     (rank groups: the fused kernels of decode rows at rank tiles 64 and 128, 4-warp blocks in
@@ -62,8 +72,13 @@ def kernel_name(mode: int, dtype: torch.dtype, max_rank: int, tokens: int, arch:
     if mode != FUSED or mt != 1 or arch < 90:
         warps = 4  # 8-warp blocks: decode tiles of the fused cluster kernel only
     if groups > 1:
-        if (mode, mt, warps) != (FUSED, 1, 4) or arch < 90 or split not in (8, 16) or rmax not in _GROUPED \
-                or groups not in _FORCEABLE_GROUPS:
+        if (
+            (mode, mt, warps) != (FUSED, 1, 4)
+            or arch < 90
+            or split not in (8, 16)
+            or rmax not in _GROUPED
+            or groups not in _FORCEABLE_GROUPS
+        ):
             raise ValueError(f"rank groups: not for this call shape (rank tile {rmax}, split {split}, {groups} groups)")
         kind = "sliced_grouped" if sliced else "grouped"
         return f"sgmv_{kind}_kernel<{_CTYPE[dtype]}, {rmax}, 1, {split}, {mode}, float, 4, {groups}>", split, 16, 4
@@ -80,11 +95,28 @@ def _rmax(max_rank: int) -> int | None:
 def all_kernel_names(arch: int) -> list[str]:
     """Every instantiation the wrappers can ask for on `arch` (CI compiles them all)."""
     fused_splits = _FORCEABLE_SPLITS if arch >= 90 else (1, *_FORCEABLE_SPLITS)  # 1: large sm_80 grids
-    shapes = [(m, dt, r, t, split, w, sl) for m in (SHRINK, EXPAND, FUSED) for dt in _CTYPE for r in _RMAX
-              for t in (1, _BIG_TILE_TOKENS) for split in (fused_splits if m == FUSED else (SPLIT,))
-              for w in _FORCEABLE_WARPS for sl in ((False, True) if m == FUSED else (False,))]
-    grouped = [(FUSED, dt, r, 1, split, 4, sl, g) for dt in _CTYPE for r in _GROUPED for split in (8, 16)
-               for g in _FORCEABLE_GROUPS for sl in (False, True)] if arch >= 90 else []
+    shapes = [
+        (m, dt, r, t, split, w, sl)
+        for m in (SHRINK, EXPAND, FUSED)
+        for dt in _CTYPE
+        for r in _RMAX
+        for t in (1, _BIG_TILE_TOKENS)
+        for split in (fused_splits if m == FUSED else (SPLIT,))
+        for w in _FORCEABLE_WARPS
+        for sl in ((False, True) if m == FUSED else (False,))
+    ]
+    grouped = (
+        [
+            (FUSED, dt, r, 1, split, 4, sl, g)
+            for dt in _CTYPE
+            for r in _GROUPED
+            for split in (8, 16)
+            for g in _FORCEABLE_GROUPS
+            for sl in (False, True)
+        ]
+        if arch >= 90
+        else []
+    )
     return sorted({kernel_name(m, dt, r, t, arch, *rest)[0] for m, dt, r, t, *rest in shapes + grouped})
 
 
@@ -114,8 +146,14 @@ def fused_kernel_names(dtype: torch.dtype, max_rank: int, arch: int) -> list[str
     names = set()
     for tokens in (1, _BIG_TILE_TOKENS):
         rows = kernel_name(FUSED, dtype, max_rank, tokens, arch)[2]
-        names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, w, sliced)[0]
-                  for s, w, _ in _fused_shapes(rows, max_rank, arch) for sliced in (False, True)}
-        names |= {kernel_name(FUSED, dtype, max_rank, tokens, arch, s, 4, sliced, g)[0]
-                  for g, s, _, _ in _groupings(rows, max_rank, arch) for sliced in (False, True)}
+        names |= {
+            kernel_name(FUSED, dtype, max_rank, tokens, arch, s, w, sliced)[0]
+            for s, w, _ in _fused_shapes(rows, max_rank, arch)
+            for sliced in (False, True)
+        }
+        names |= {
+            kernel_name(FUSED, dtype, max_rank, tokens, arch, s, 4, sliced, g)[0]
+            for g, s, _, _ in _groupings(rows, max_rank, arch)
+            for sliced in (False, True)
+        }
     return sorted(names)

@@ -5,6 +5,7 @@ One launch each instead of the 3-8 torch kernels of the eager ops (`ops.norms`, 
 NVRTC is loaded on first launch only. Nothing here allocates except outputs, reads device
 memory on the host, or synchronizes.
 """
+
 import ctypes
 
 import torch
@@ -15,13 +16,21 @@ HEAD_DIMS = (64, 128)
 
 class _NormArgs(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("h", "delta", "weight", "out")]
-    _fields_ += [("h_stride", ctypes.c_longlong), ("delta_stride", ctypes.c_longlong), ("hidden", ctypes.c_int),
-                 ("eps", ctypes.c_float)]
+    _fields_ += [
+        ("h_stride", ctypes.c_longlong),
+        ("delta_stride", ctypes.c_longlong),
+        ("hidden", ctypes.c_int),
+        ("eps", ctypes.c_float),
+    ]
 
 
 class _SiluMulArgs(ctypes.Structure):
-    _fields_ = [("gate_up", ctypes.c_void_p), ("out", ctypes.c_void_p), ("total", ctypes.c_longlong),
-                ("inter", ctypes.c_int)]
+    _fields_ = [
+        ("gate_up", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("total", ctypes.c_longlong),
+        ("inter", ctypes.c_int),
+    ]
 
 
 class _RopeKvArgs(ctypes.Structure):
@@ -45,8 +54,12 @@ def all_kernel_names() -> list[str]:
     """Every instantiation launched here (CI compiles them for sm_80 and sm_90)."""
     names = []
     for c in _CTYPE.values():
-        names += [f"rms_norm_kernel<{c}, false>", f"rms_norm_kernel<{c}, true>", f"silu_mul_kernel<{c}>",
-                  f"gelu_tanh_mul_kernel<{c}>"]
+        names += [
+            f"rms_norm_kernel<{c}, false>",
+            f"rms_norm_kernel<{c}, true>",
+            f"silu_mul_kernel<{c}>",
+            f"gelu_tanh_mul_kernel<{c}>",
+        ]
         names += [f"rope_kv_kernel<{c}, {d}>" for d in HEAD_DIMS]
     return names
 
@@ -72,11 +85,23 @@ def rms_norm(h, weight, eps: float, delta=None):
         raise ValueError("rms_norm: rows must be unit-stride, 16-byte aligned")
     if not norm_usable(h):
         raise ValueError(f"rms_norm: hidden {h.shape[1]} not a multiple of 8 up to {NORM_MAX_HIDDEN}")
-    args = _NormArgs(h=h.data_ptr(), delta=None if delta is None else delta.data_ptr(), weight=weight.data_ptr(),
-                     out=out.data_ptr(), h_stride=h.stride(0), delta_stride=0 if delta is None else delta.stride(0),
-                     hidden=h.shape[1], eps=eps)
-    _run(f"rms_norm_kernel<{_CTYPE[h.dtype]}, {'true' if delta is not None else 'false'}>", h.shape[0], 256, args,
-         h.device)
+    args = _NormArgs(
+        h=h.data_ptr(),
+        delta=None if delta is None else delta.data_ptr(),
+        weight=weight.data_ptr(),
+        out=out.data_ptr(),
+        h_stride=h.stride(0),
+        delta_stride=0 if delta is None else delta.stride(0),
+        hidden=h.shape[1],
+        eps=eps,
+    )
+    _run(
+        f"rms_norm_kernel<{_CTYPE[h.dtype]}, {'true' if delta is not None else 'false'}>",
+        h.shape[0],
+        256,
+        args,
+        h.device,
+    )
     return out
 
 
@@ -117,9 +142,17 @@ def rope_kv(qkv, cos, sin, k_cache, v_cache, slots, heads: int, kv_heads: int, h
         raise ValueError("rope_kv: int32 slots, unit-stride qkv rows, contiguous cos/sin")
     if head_dim not in HEAD_DIMS or not k_cache.is_contiguous() or not v_cache.is_contiguous():
         raise ValueError(f"rope_kv: head_dim {head_dim} unsupported or caches not contiguous")
-    args = _RopeKvArgs(qkv=qkv.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), k_cache=k_cache.data_ptr(),
-                       v_cache=v_cache.data_ptr(), slots=slots.data_ptr(), qkv_stride=qkv.stride(0), heads=heads,
-                       kv_heads=kv_heads)
+    args = _RopeKvArgs(
+        qkv=qkv.data_ptr(),
+        cos=cos.data_ptr(),
+        sin=sin.data_ptr(),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        slots=slots.data_ptr(),
+        qkv_stride=qkv.stride(0),
+        heads=heads,
+        kv_heads=kv_heads,
+    )
     _run(f"rope_kv_kernel<{_CTYPE[qkv.dtype]}, {head_dim}>", qkv.shape[0], 512, args, qkv.device)
 
 

@@ -1,5 +1,6 @@
 """Helpers for the serving-app tests: start local Ray + Serve with the project's own
 serve_config.yaml args on a free loopback port, and read replica stats."""
+
 from __future__ import annotations
 
 import copy
@@ -44,8 +45,9 @@ def serving(apps: dict[str, tuple[object, str]], num_cpus: int = 2, env: dict[st
     import ray
     from ray import serve
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env} if env else None)
+    ray.init(
+        num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env} if env else None
+    )
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

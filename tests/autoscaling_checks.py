@@ -1,5 +1,6 @@
 """Driving the autoscaling tests' deployments: deploy one on the simulated engine core, run a
 request through its router and the ingress's migration path, many at once in threads."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,13 +29,22 @@ def deploy(app: str, autoscaling: dict, max_batch: int) -> None:
 
     # max_ongoing_requests = the batch: Serve's own limit backs the router's count, so a
     # replica never holds more than it batches (the app's default allows 4 batches)
-    args = config_args(max_batch_size=max_batch, adapter_dirs=[],
-                       replica={"autoscaling_config": {**FAST_METRICS, **autoscaling}, "max_ongoing_requests": max_batch,
-                                "ray_actor_options": {"num_cpus": 0.1}})
+    args = config_args(
+        max_batch_size=max_batch,
+        adapter_dirs=[],
+        replica={
+            "autoscaling_config": {**FAST_METRICS, **autoscaling},
+            "max_ongoing_requests": max_batch,
+            "ray_actor_options": {"num_cpus": 0.1},
+        },
+    )
     options = parse_args(args, "simulated").replica_options
     settings = ReplicaSettings(None, EngineConfig(max_num_seqs=max_batch, num_kv_blocks=512), (), migrate_locally=False)
-    serve.run(LoraReplica.options(**options).bind(settings, None, functools.partial(simulated_engine, STEP)),
-              name=app, route_prefix=None)
+    serve.run(
+        LoraReplica.options(**options).bind(settings, None, functools.partial(simulated_engine, STEP)),
+        name=app,
+        route_prefix=None,
+    )
 
 
 def complete(app: str, prompt: list[int], max_tokens: int, adapter: str | None = None) -> dict:
@@ -44,10 +54,15 @@ def complete(app: str, prompt: list[int], max_tokens: int, adapter: str | None =
 
     async def run():
         handle = serve.get_deployment_handle("LoraReplica", app).options(stream=True)
-        request = GenerateRequest(f"{app}-{uuid.uuid4().hex[:8]}", tuple(prompt),
-                                  SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=1), adapter)
-        stream = await ResubmittingStream.open(lambda r: handle.generate.remote(r, None, 0), request,
-                                               MigrationPolicy(max_migrations=4, failover_wait_s=30))
+        request = GenerateRequest(
+            f"{app}-{uuid.uuid4().hex[:8]}",
+            tuple(prompt),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=1),
+            adapter,
+        )
+        stream = await ResubmittingStream.open(
+            lambda r: handle.generate.remote(r, None, 0), request, MigrationPolicy(max_migrations=4, failover_wait_s=30)
+        )
         text, tokens, routed = "", 0, [(time.time(), stream.replica)]
         async for chunk in stream.chunks():
             assert not isinstance(chunk, ErrorChunk), chunk

@@ -1,6 +1,7 @@
 """Helpers for the cluster tests: a tiny random Llama that speaks the embedded model's
 tokenizer (real text, stop strings, chat template), engines slowed to a fixed step time,
 LoraReplica deployed on its own (no ingress), and direct access to each replica."""
+
 from __future__ import annotations
 
 import shutil
@@ -19,9 +20,20 @@ def make_tiny_chat_llama(path: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        initializer_range=0.3, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     source = default_model_dir()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -50,8 +62,11 @@ def replica_ids(app: str) -> list[str]:
     import ray
 
     prefix = f"SERVE_REPLICA::{app}#LoraReplica#"
-    return sorted(a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if isinstance(a, dict) and a["name"].startswith(prefix))
+    return sorted(
+        a["name"][len(prefix) :]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if isinstance(a, dict) and a["name"].startswith(prefix)
+    )
 
 
 def replica_actor(app: str, replica_id: str):
@@ -79,7 +94,8 @@ def deploy_replicas(app: str, args: dict, adapters: tuple, engine_factory) -> No
 
     settings = parse_args(args, "model")
     replica = LoraReplica.options(**settings.replica_options).bind(
-        ReplicaSettings(settings.model, settings.engine, adapters, migrate_locally=False), None, engine_factory)
+        ReplicaSettings(settings.model, settings.engine, adapters, migrate_locally=False), None, engine_factory
+    )
     serve.run(replica, name=app, route_prefix=None, external_scaler_enabled=True)
 
 

@@ -28,7 +28,11 @@ def _starts_ray(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device (run on the device machine)")
+    skip = (
+        None
+        if torch.cuda.is_available()
+        else pytest.mark.skip(reason="needs a CUDA device (run on the device machine)")
+    )
     for item in items:
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)

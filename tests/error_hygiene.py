@@ -2,6 +2,7 @@
 filesystem path the client did not send itself. Used on every error case of the app
 tests (also through `checked_client`, an httpx client that checks each error it gets, and
 `checked_openai`, the official `openai` client on top of it)."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,11 @@ def leaks(message: str, sent: str = "") -> list[str]:
 def assert_clean_error(response: httpx.Response, sent: str = "") -> None:
     """An error response (or an SSE stream's error events) reveals nothing internal."""
     text = response.text
-    bodies = [text] if not text.startswith("data: ") else \
-        [line[6:] for line in text.splitlines() if line.startswith("data: {") and '"error"' in line]
+    bodies = (
+        [text]
+        if not text.startswith("data: ")
+        else [line[6:] for line in text.splitlines() if line.startswith("data: {") and '"error"' in line]
+    )
     for body in bodies:
         try:
             message = json.loads(body)["error"]["message"]

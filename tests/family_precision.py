@@ -6,6 +6,7 @@ than the rounding error of either run (at a real head layout with random weights
 argmax differs from its fp32 argmax at several percent of positions). This measure has no such
 ties: an engine that computes a step in a lower precision than HF, adds a bias in another order
 that loses bits, or sees one key too many or too few, lies farther from fp32 than HF does."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,9 @@ def engine_logits(engine, tokens: list[int], adapter: str | None = None) -> torc
     graph replay). The engine must be idle: the sequence takes the KV cache's first blocks."""
     runner, bs, n = engine.runner, engine.config.block_size, len(tokens)
     model, pool, prefill = runner.model, runner.model.lora_pool, len(tokens) // 2
-    request = GenerateRequest("precision", tuple(tokens[:prefill]), SamplingParams(max_tokens=n, temperature=0.0), adapter)
+    request = GenerateRequest(
+        "precision", tuple(tokens[:prefill]), SamplingParams(max_tokens=n, temperature=0.0), adapter
+    )
     seq = Sequence(request, 0, 0, engine.adapters.get(adapter) if adapter else None)
     seq.block_table = list(range(-(-n // bs)))
     if seq.adapter is not None:

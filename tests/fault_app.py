@@ -1,6 +1,7 @@
 """The application `serve run`/`serve deploy` load in the config-change tests
 (import_path `tests.fault_app:build_app`): the real app with every engine step slowed,
 so that streams stay in flight while Serve replaces replicas."""
+
 import functools
 
 from app.builder import app_from_args

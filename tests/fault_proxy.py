@@ -1,5 +1,6 @@
 """A fault-injecting HTTP proxy in front of an S3 server, for the adapter-store tests: S3 error
 replies, connection resets and stalls mid-body, corrupt or truncated bodies, slow replies."""
+
 from __future__ import annotations
 
 import http.client
@@ -86,7 +87,7 @@ class _Handler(BaseHTTPRequestHandler):
         status, headers, data, length = self._forward(body)
         if fault and fault.kind == "corrupt":
             mid = len(data) // 2
-            data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:]
+            data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1 :]
         if fault and fault.kind == "truncate":
             data = data[: len(data) // 2]
         self.send_response(status)
@@ -120,8 +121,9 @@ class _Handler(BaseHTTPRequestHandler):
             conn.close()
 
     def _error(self, fault: Fault):
-        data = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{fault.code}</Code>"
-                f"<Message>injected</Message></Error>").encode()
+        data = (
+            f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{fault.code}</Code><Message>injected</Message></Error>"
+        ).encode()
         self.send_response(fault.status)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(data)))

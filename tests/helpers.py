@@ -1,5 +1,6 @@
 """Test fixtures made on the fly: a tiny random Llama with GQA, random PEFT adapters,
 and the HF transformers + PEFT reference generation."""
+
 from __future__ import annotations
 
 import functools
@@ -15,12 +16,27 @@ def make_tiny_llama(path: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2,
-        eos_token_id=None, bos_token_id=None, pad_token_id=None,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     )
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return path
@@ -33,8 +49,14 @@ def make_random_adapter(model_dir: Path, out: Path, rank: int, targets, alpha=No
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
-                     use_rslora=rslora, init_lora_weights=False, lora_dropout=0.0)
+    cfg = LoraConfig(
+        r=rank,
+        lora_alpha=alpha or 2 * rank,
+        target_modules=list(targets),
+        use_rslora=rslora,
+        init_lora_weights=False,
+        lora_dropout=0.0,
+    )
     model = get_peft_model(base, cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -57,19 +79,25 @@ def _hf_model(model_dir: Path, adapter_dir: Path | None):
     return model.eval()
 
 
-def hf_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int,
-              ignore_eos: bool = False) -> list[int]:
+def hf_greedy(
+    model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False
+) -> list[int]:
     """Greedy tokens from HF transformers (+ PEFT), one model per (checkpoint, adapter)."""
     model = _hf_model(Path(model_dir), adapter_dir and Path(adapter_dir))
     eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None if ignore_eos else eos
     try:
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
     finally:
         model.generation_config.eos_token_id = eos
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def run_to_completion(engine, requests: dict[int, list[GenerateRequest]], on_migrate=None, max_steps=10_000):

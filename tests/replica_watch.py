@@ -6,6 +6,7 @@ from the moment Serve starts it until Serve kills it; it reports routing stats o
 constructor has run. All replicas are asked at once, so one slow or stopping replica
 does not stretch the sampling period.
 """
+
 from __future__ import annotations
 
 import threading
@@ -39,8 +40,9 @@ class ReplicaWatch:
     def _sample(self) -> None:
         import ray
 
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith(self.prefix)]
+        names = [
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(self.prefix)
+        ]
         for name in names:  # one call in flight per replica: a slow one is asked again once it answers
             if name not in self._handles:
                 self._handles[name] = ray.get_actor(name, namespace="serve")
@@ -55,8 +57,8 @@ class ReplicaWatch:
             except Exception:  # still in its constructor, or stopped: no sample
                 continue
             if stats:
-                self.samples.setdefault(name[len(self.prefix):], []).append((now, stats))
-        self.present.append((now, frozenset(n[len(self.prefix):] for n in names)))
+                self.samples.setdefault(name[len(self.prefix) :], []).append((now, stats))
+        self.present.append((now, frozenset(n[len(self.prefix) :] for n in names)))
 
     def names(self) -> set[str]:
         """Replica ids alive at the last sample."""

@@ -4,6 +4,7 @@ ThreadedMotoServer) with the fault proxy (tests/fault_proxy.py) in front of it.
 Test modules load them with ``pytest_plugins = ["tests.s3_fixtures"]`` (and never import this
 module themselves, so pytest can rewrite its asserts).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

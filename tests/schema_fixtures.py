@@ -7,13 +7,20 @@ finishes within a few hundred tokens. Numbers carry bounds (their fraction digit
 they end as soon as a separator is drawn). Features: nested objects, arrays, enums, required and
 optional properties, string patterns, bounded integers and numbers, booleans, nullable values.
 """
+
 from __future__ import annotations
 
 import random
 
 WORDS = ("name", "age", "city", "tags", "score", "ok", "kind", "items", "note", "id", "level", "color")
-PATTERNS = (r"^[a-z]{1,6}$", r"^[A-Z][a-z]{0,4}$", r"^[0-9]{3}-[0-9]{2}$", r"^(yes|no|maybe)$",
-            r"^#[0-9a-f]{6}$", r"^[a-z]{1,8}@[a-z]{2,4}\.com$")
+PATTERNS = (
+    r"^[a-z]{1,6}$",
+    r"^[A-Z][a-z]{0,4}$",
+    r"^[0-9]{3}-[0-9]{2}$",
+    r"^(yes|no|maybe)$",
+    r"^#[0-9a-f]{6}$",
+    r"^[a-z]{1,8}@[a-z]{2,4}\.com$",
+)
 
 
 def _string(rng: random.Random) -> dict:
@@ -55,8 +62,12 @@ def _value(rng: random.Random, depth: int) -> dict:
 def _object(rng: random.Random, depth: int) -> dict:
     names = rng.sample(WORDS, rng.randint(1, 4 if depth == 0 else 2))
     required = [n for n in names if rng.random() < 0.7]
-    return {"type": "object", "properties": {n: _value(rng, depth) for n in names}, "required": required,
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {n: _value(rng, depth) for n in names},
+        "required": required,
+        "additionalProperties": False,
+    }
 
 
 def random_schemas(n: int = 50, seed: int = 0) -> list[dict]:

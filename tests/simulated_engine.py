@@ -7,6 +7,7 @@ next token is a fixed function of its prompt and position, so a migrated or resu
 stream continues exactly as the uninterrupted one would; its text is " <token id>" per
 token. Adapters are names only.
 """
+
 from __future__ import annotations
 
 import time
@@ -150,18 +151,30 @@ class SimulatedCore:
         if done:
             del self._seqs[seq.request_id]
             self._remove(seq)
-        return TokenChunk(seq.request_id, (token,), f" {token}", None, "length" if done else None,
-                          len(seq.prompt_ids), len(seq.output_ids))
+        return TokenChunk(
+            seq.request_id,
+            (token,),
+            f" {token}",
+            None,
+            "length" if done else None,
+            len(seq.prompt_ids),
+            len(seq.output_ids),
+        )
 
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
 
     def stats(self) -> dict:
         return {
-            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "max_batch": self.config.max_num_seqs, "free_kv_blocks": self.allocator.num_free,
-            "total_kv_blocks": self.allocator.num_blocks, "block_size": self.config.block_size,
-            "resident_adapters": [], "steps": self.steps, "max_batch_seen": self.max_batch_seen,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "max_batch": self.config.max_num_seqs,
+            "free_kv_blocks": self.allocator.num_free,
+            "total_kv_blocks": self.allocator.num_blocks,
+            "block_size": self.config.block_size,
+            "resident_adapters": [],
+            "steps": self.steps,
+            "max_batch_seen": self.max_batch_seen,
             "tokens_computed": 0,
         }
 

@@ -1,5 +1,6 @@
 """Long streaming completions from worker threads, as the fault tests' clients: each
 records its SSE events and text, and signals once its first token arrived."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,9 @@ def stream_completion(url: str, body: dict, out: dict) -> None:
 
 def start_streams(url: str, bodies: list[dict]) -> tuple[list[threading.Thread], list[dict]]:
     results = [{"started": threading.Event()} for _ in bodies]
-    threads = [threading.Thread(target=stream_completion, args=(url, b, r), daemon=True) for b, r in zip(bodies, results)]
+    threads = [
+        threading.Thread(target=stream_completion, args=(url, b, r), daemon=True) for b, r in zip(bodies, results)
+    ]
     for t in threads:
         t.start()
     return threads, results

@@ -1,6 +1,7 @@
 """Helpers for the adapter-store tests: tiny PEFT adapters written straight to safetensors
 (PEFT's own save is ~0.5 s per adapter: too slow for hundreds), S3 upload, comparison, and a
 store config for a test S3 endpoint."""
+
 from __future__ import annotations
 
 import json
@@ -16,12 +17,23 @@ WEIGHTS = "adapter_model.safetensors"
 
 # The shape of tests.helpers.make_tiny_llama (hidden 64, 8 heads, 2 KV heads, MLP 160, 3 layers), written
 # out so that store tests need no model (test_store_s3 checks it against the real config).
-TINY_SHAPE = ModelShape(3, {"q_proj": (64, 64), "k_proj": (64, 16), "v_proj": (64, 16), "o_proj": (64, 64),
-                            "gate_proj": (64, 160), "up_proj": (64, 160), "down_proj": (160, 64)})
+TINY_SHAPE = ModelShape(
+    3,
+    {
+        "q_proj": (64, 64),
+        "k_proj": (64, 16),
+        "v_proj": (64, 16),
+        "o_proj": (64, 64),
+        "gate_proj": (64, 160),
+        "up_proj": (64, 160),
+        "down_proj": (160, 64),
+    },
+)
 
 
-def write_adapter(out: Path, shape: ModelShape, rank: int = 2, targets=("q_proj", "v_proj"), seed: int = 0,
-                  alpha: float | None = None) -> Path:
+def write_adapter(
+    out: Path, shape: ModelShape, rank: int = 2, targets=("q_proj", "v_proj"), seed: int = 0, alpha: float | None = None
+) -> Path:
     """A PEFT LoRA directory with random A [r, in] and B [out, r] for every layer and target."""
     gen = torch.Generator().manual_seed(seed)
     state = {}
@@ -34,8 +46,15 @@ def write_adapter(out: Path, shape: ModelShape, rank: int = 2, targets=("q_proj"
             state[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / WEIGHTS))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha or 2 * rank, "target_modules": list(targets),
-              "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha or 2 * rank,
+        "target_modules": list(targets),
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "task_type": "CAUSAL_LM",
+    }
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
 

@@ -3,6 +3,7 @@
 waits without blocking them, and once it has waited MAX_SLOT_WAIT_STEPS schedules nothing new
 is admitted until it has a slot. Without the aging rule it would wait forever: shown by
 turning it off. Steps are counted, never timed."""
+
 import pytest
 
 from adapters_store.gpu_pool import LoraPool, PoolConfig
@@ -36,11 +37,13 @@ def _first_admission_of_cold(weights) -> int | None:
     ran: dict[Sequence, int] = {}
     for step in range(HORIZON):
         hot = f"hot{step % 2}"
-        sched.waiting.append(Sequence(GenerateRequest(f"{hot}-{step}", (1, 2, 3), SamplingParams(), hot), 0, step,
-                                      weights[hot]))
+        sched.waiting.append(
+            Sequence(GenerateRequest(f"{hot}-{step}", (1, 2, 3), SamplingParams(), hot), 0, step, weights[hot])
+        )
         if step == 1:
-            sched.waiting.append(Sequence(GenerateRequest("cold", (1, 2, 3), SamplingParams(), "cold"), 0, step,
-                                          weights["cold"]))
+            sched.waiting.append(
+                Sequence(GenerateRequest("cold", (1, 2, 3), SamplingParams(), "cold"), 0, step, weights["cold"])
+            )
         plan = sched.schedule()
         for seq, n in plan.scheduled:
             if seq.request_id == "cold":

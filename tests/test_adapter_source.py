@@ -3,6 +3,7 @@ store and engine layers: an object that changes under a name is served with its 
 from the next cold load on, under a new (name, version) key in every tier; a missing name is
 looked up once for a burst and its error names no location; and the args → StoreConfig
 mapping refuses budgets that cannot fit, by field name."""
+
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -28,16 +29,20 @@ def model(tmp_path_factory):
 
 
 def _generate(engine, name: str, rid: str) -> list[int]:
-    tokens, _, _ = run_to_completion(engine, {0: [GenerateRequest(rid, PROMPT, SamplingParams(
-        max_tokens=6, temperature=0.0, ignore_eos=True), name)]})
+    tokens, _, _ = run_to_completion(
+        engine,
+        {0: [GenerateRequest(rid, PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), name)]},
+    )
     return tokens[rid]
 
 
 def test_a_changed_object_is_a_new_version_at_the_next_cold_load(tmp_path, s3, model):
     bucket = s3.bucket("mutable")
     every = tuple(TINY_SHAPE.dims)  # rank 16 on every module: the largest adapter, which the budget must hold
-    first, second, other = (write_adapter(tmp_path / n, TINY_SHAPE, rank=16, targets=every, seed=s, alpha=1.0)
-                            for n, s in (("v1", 1), ("v2", 2), ("other", 3)))
+    first, second, other = (
+        write_adapter(tmp_path / n, TINY_SHAPE, rank=16, targets=every, seed=s, alpha=1.0)
+        for n, s in (("v1", 1), ("v2", 2), ("other", 3))
+    )
     upload_dir(s3.client, bucket, "t/x", first)
     upload_dir(s3.client, bucket, "t/y", other)
     size = 3 * 16 * sum(i + o for i, o in TINY_SHAPE.dims.values()) * 4  # fp32: the host cache holds one
@@ -65,7 +70,9 @@ def test_a_changed_object_is_a_new_version_at_the_next_cold_load(tmp_path, s3, m
 
 def test_a_missing_name_is_one_lookup_for_a_burst_and_names_no_location(tmp_path, s3):
     bucket = s3.bucket("sparse")
-    st = AdapterStore(TINY_SHAPE, store_config(s3.proxy.url, tmp_path, default_root=f"s3://{bucket}/p/", miss_ttl_s=600))
+    st = AdapterStore(
+        TINY_SHAPE, store_config(s3.proxy.url, tmp_path, default_root=f"s3://{bucket}/p/", miss_ttl_s=600)
+    )
     before = len(s3.proxy.state.requests)
     with ThreadPoolExecutor(16) as pool:
         errors = list(pool.map(lambda _: st.prefetch("nobody").exception(), range(50)))
@@ -77,8 +84,11 @@ def test_a_missing_name_is_one_lookup_for_a_burst_and_names_no_location(tmp_path
 
 
 def test_adapter_cache_args_become_the_store_config(tmp_path):
-    args = {"adapter_source": "s3://tenant-bucket/adapters", "max_lora_rank": 8,
-            "adapter_cache": {"host_gb": 0.5, "disk_gb": 2.0, "disk_dir": str(tmp_path / "c"), "miss_ttl_s": 30.0}}
+    args = {
+        "adapter_source": "s3://tenant-bucket/adapters",
+        "max_lora_rank": 8,
+        "adapter_cache": {"host_gb": 0.5, "disk_gb": 2.0, "disk_dir": str(tmp_path / "c"), "miss_ttl_s": 30.0},
+    }
     store = parse_args(args, "base").adapter_store
     assert store.default_root == "s3://tenant-bucket/adapters/" and store.max_rank == 8
     assert store.host.budget_bytes == 2**29 and store.disk.budget_bytes == 2 * 2**30
@@ -96,5 +106,9 @@ def test_adapter_cache_args_become_the_store_config(tmp_path):
     # A budget that holds no adapter of the largest rank is refused when the engine is built.
     tiny = {"adapter_cache": {"host_gb": 1e-6}, "max_lora_rank": 16}
     with pytest.raises(ValueError, match="adapter_cache.host_gb"):
-        build_engine(make_tiny_llama(tmp_path / "m"), EngineConfig(), tokenizer=None,
-                     store_config=parse_args(tiny, "base").adapter_store)
+        build_engine(
+            make_tiny_llama(tmp_path / "m"),
+            EngineConfig(),
+            tokenizer=None,
+            store_config=parse_args(tiny, "base").adapter_store,
+        )

@@ -4,6 +4,7 @@
 its local directory; a burst of 50 requests for a name that does not exist makes one S3 lookup
 and gets 50 404s in OpenAI's shape; the `adapter_cache` budgets from the args are what the
 replica's store runs with, and its stats report every tier."""
+
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,8 +34,13 @@ def server(s3, tmp_path_factory):
     for name in ADAPTERS:
         for f in ("adapter_config.json", "adapter_model.safetensors"):
             s3.client.upload_file(str(EXAMPLE_ADAPTERS / name / f), BUCKET, f"tenants/t-{name}/{f}")
-    aws = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE",
-           "AWS_SHARED_CREDENTIALS_FILE")
+    aws = (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_DEFAULT_REGION",
+        "AWS_CONFIG_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+    )
     env = {"AWS_ENDPOINT_URL": s3.proxy.url, **{k: os.environ[k] for k in aws}}  # the replicas' boto3 → proxy → moto
     cache = {**CACHE, "disk_dir": str(tmp_path_factory.mktemp("adapter-cache"))}
     args = config_args(adapter_source=f"s3://{BUCKET}/tenants/", adapter_cache=cache)

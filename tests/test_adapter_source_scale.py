@@ -9,6 +9,7 @@ The engine is driven step by step (as tests.helpers.run_to_completion does) with
 in flight, a new one joining as each finishes; the HTTP/Ray layers above it are covered for
 on-demand names by tests/test_adapter_source_app.py.
 """
+
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,12 +33,20 @@ HOST_HELD, DISK_HELD = 128, 160  # budgets, in adapters of the largest size writ
 MAX_TOKENS, PROMPT_LEN = 4, 6
 TARGETS = [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"), ("v_proj", "down_proj")]
 RANKS = (4, 8, 16)
-LARGEST = 3 * 16 * (64 + 64 + 64 + 16 + 64 + 16 + 64 + 64) * 4  # rank 16 on q, k, v, o; fp32 (a safetensors file is a few hundred bytes more)
+LARGEST = (
+    3 * 16 * (64 + 64 + 64 + 16 + 64 + 16 + 64 + 64) * 4
+)  # rank 16 on q, k, v, o; fp32 (a safetensors file is a few hundred bytes more)
 
 
 def _engine_config() -> EngineConfig:
-    return EngineConfig(max_num_seqs=IN_FLIGHT, max_tokens_per_step=256, num_kv_blocks=256, block_size=8,
-                        max_loras=SLOTS, max_lora_rank=16)
+    return EngineConfig(
+        max_num_seqs=IN_FLIGHT,
+        max_tokens_per_step=256,
+        num_kv_blocks=256,
+        block_size=8,
+        max_loras=SLOTS,
+        max_lora_rank=16,
+    )
 
 
 def _prompt(i: int) -> tuple[int, ...]:
@@ -45,8 +54,9 @@ def _prompt(i: int) -> tuple[int, ...]:
 
 
 def _request(rid: str, name: str) -> GenerateRequest:
-    return GenerateRequest(rid, _prompt(int(name[1:])), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                                        ignore_eos=True), name)
+    return GenerateRequest(
+        rid, _prompt(int(name[1:])), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), name
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +64,17 @@ def fleet(tmp_path_factory, s3):
     """1,000 distinct adapters (own seed, rank 4/8/16, three target sets), written locally and under s3://fleet/a/."""
     root = tmp_path_factory.mktemp("fleet")
     model = make_tiny_llama(root / "model")
-    dirs = {f"a{i}": write_adapter(root / "src" / f"a{i}", TINY_SHAPE, rank=RANKS[i % 3], targets=TARGETS[i // 3 % 3],
-                                   seed=i, alpha=RANKS[i % 3] / 8) for i in range(N_ADAPTERS)}
+    dirs = {
+        f"a{i}": write_adapter(
+            root / "src" / f"a{i}",
+            TINY_SHAPE,
+            rank=RANKS[i % 3],
+            targets=TARGETS[i // 3 % 3],
+            seed=i,
+            alpha=RANKS[i % 3] / 8,
+        )
+        for i in range(N_ADAPTERS)
+    }
     bucket = s3.bucket("fleet")
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda n: upload_dir(s3.client, bucket, f"a/{n}", dirs[n]), dirs))
@@ -96,8 +115,14 @@ def _serve_closed_loop(engine, names: list[str]) -> tuple[dict[str, list[int]], 
 
 def test_a_thousand_adapters_on_demand_from_s3(tmp_path, s3, fleet):
     model, dirs, prefix = fleet
-    cfg = store_config(s3.endpoint, tmp_path, default_root=prefix, host=HostCacheConfig(budget_bytes=HOST_HELD * LARGEST),
-                       disk=DiskCacheConfig(tmp_path / "cache", budget_bytes=DISK_HELD * (LARGEST + 1024)), workers=4)
+    cfg = store_config(
+        s3.endpoint,
+        tmp_path,
+        default_root=prefix,
+        host=HostCacheConfig(budget_bytes=HOST_HELD * LARGEST),
+        disk=DiskCacheConfig(tmp_path / "cache", budget_bytes=DISK_HELD * (LARGEST + 1024)),
+        workers=4,
+    )
     engine = build_engine(model, _engine_config(), tokenizer=None, store_config=cfg)
     store, pool = engine.adapters, engine.model.lora_pool
     names = _trace()
@@ -110,7 +135,9 @@ def test_a_thousand_adapters_on_demand_from_s3(tmp_path, s3, fleet):
         local.register(n, dirs[n])
     reference = build_engine(model, _engine_config(), tokenizer=None, store=local)
     want, _, _ = run_to_completion(reference, {0: [_request(f"ref-{n}", n) for n in used]})
-    assert len({tuple(t) for t in want.values()}) > len(used) // 2  # adapters change the output: equality means something
+    assert (
+        len({tuple(t) for t in want.values()}) > len(used) // 2
+    )  # adapters change the output: equality means something
     for i, name in enumerate(names):
         assert tokens[f"r{i}"] == want[f"ref-{name}"], (i, name)
 

@@ -1,4 +1,5 @@
 """Bad PEFT adapters are rejected with a clear InvalidAdapterError; nothing is unpickled."""
+
 import json
 import shutil
 
@@ -14,7 +15,9 @@ from tests.helpers import make_random_adapter
 
 @pytest.fixture(scope="module")
 def good(tiny_model_dir, tmp_path_factory):
-    return make_random_adapter(tiny_model_dir, tmp_path_factory.mktemp("good") / "a", rank=4, targets=["q_proj", "up_proj"])
+    return make_random_adapter(
+        tiny_model_dir, tmp_path_factory.mktemp("good") / "a", rank=4, targets=["q_proj", "up_proj"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +43,18 @@ def test_good_adapter_loads(good, shape):
     assert {m for _, m in w.tensors} == {"q_proj", "up_proj"}
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda c: c.update(r=32), "exceeds the configured max_lora_rank"),
-    (lambda c: c.update(target_modules=["q_proj", "lm_head"]), "unknown target modules"),
-    (lambda c: c.update(use_dora=True), "DoRA"),
-    (lambda c: c.update(bias="all"), "bias"),
-    (lambda c: c.update(modules_to_save=["lm_head"]), "modules_to_save"),
-    (lambda c: c.update(r="8"), "positive integer"),
-    (lambda c: c.update(target_modules=["k_proj"]), "not listed in target_modules"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.update(r=32), "exceeds the configured max_lora_rank"),
+        (lambda c: c.update(target_modules=["q_proj", "lm_head"]), "unknown target modules"),
+        (lambda c: c.update(use_dora=True), "DoRA"),
+        (lambda c: c.update(bias="all"), "bias"),
+        (lambda c: c.update(modules_to_save=["lm_head"]), "modules_to_save"),
+        (lambda c: c.update(r="8"), "positive integer"),
+        (lambda c: c.update(target_modules=["k_proj"]), "not listed in target_modules"),
+    ],
+)
 def test_bad_config(good, shape, tmp_path, edit, message):
     with pytest.raises(InvalidAdapterError, match=message):
         load_local("a", _copy(good, tmp_path, edit), 16, shape)
@@ -56,17 +62,23 @@ def test_bad_config(good, shape, tmp_path, edit, message):
 
 def test_shape_mismatch_and_rank_mismatch(good, shape, tmp_path):
     d = _copy(good, tmp_path)
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 99),
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(64, 4)},
-              str(d / "adapter_model.safetensors"))
+    save_file(
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 99),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(64, 4),
+        },
+        str(d / "adapter_model.safetensors"),
+    )
     with pytest.raises(InvalidAdapterError, match="do not fit the base model"):
         load_local("a", d, 16, shape)
 
 
 def test_missing_half_of_a_pair(good, shape, tmp_path):
     d = _copy(good, tmp_path)
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 64)},
-              str(d / "adapter_model.safetensors"))
+    save_file(
+        {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 64)},
+        str(d / "adapter_model.safetensors"),
+    )
     with pytest.raises(InvalidAdapterError, match="missing lora_B"):
         load_local("a", d, 16, shape)
 

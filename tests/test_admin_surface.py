@@ -2,6 +2,7 @@
 registrations must resolve inside `adapter_roots` (one uniform 400 otherwise), the admin
 routes without an admin key answer only on a loopback bind (a non-loopback bind without
 one stops the start-up), and a tenant whose adapter fails to load is told its name only."""
+
 import asyncio
 import json
 
@@ -63,8 +64,17 @@ def test_paths_outside_the_roots_get_one_answer(roots):
     assert settings.adapter_roots == (str(root.resolve()), "s3://")  # default: adapter_dirs and s3://
     replica = _Replica()
     admin = AdapterAdmin("base", replica, _Registry(), settings.adapter_roots)
-    refused = ["/etc", f"{root}/../elsewhere/secret", f"{root}/escape", f"{root}/notes.txt", f"{root}/nothing-here",
-               str(outside), "relative/pirate", f"{root}/pirate\0x", "/" + "b" * 300]
+    refused = [
+        "/etc",
+        f"{root}/../elsewhere/secret",
+        f"{root}/escape",
+        f"{root}/notes.txt",
+        f"{root}/nothing-here",
+        str(outside),
+        "relative/pirate",
+        f"{root}/pirate\0x",
+        "/" + "b" * 300,
+    ]
     answers = [_register(admin, p) for p in refused]
     assert {(a.status_code, a.body) for a in answers} == {(400, answers[0].body)}
     assert json.loads(answers[0].body)["error"]["message"] == OUTSIDE_ROOTS and replica.loaded == []
@@ -122,7 +132,9 @@ def test_a_tenant_is_told_which_adapter_failed_never_where_it_lives(tmp_path):
     body = json.loads(response.body)["error"]
     assert response.status_code == 503 and body["message"] == "adapter 'pirate2' is unavailable"
     assert not leaks(response.body.decode())
-    assert answer(AdapterNotFoundError(f"adapter directory {gone} does not exist")).status_code == 404  # unnamed: as before
+    assert (
+        answer(AdapterNotFoundError(f"adapter directory {gone} does not exist")).status_code == 404
+    )  # unnamed: as before
 
 
 def test_build_app_refuses_a_public_bind_without_an_admin_key(monkeypatch, roots):

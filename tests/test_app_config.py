@@ -1,4 +1,5 @@
 """The serving app's pieces without Ray: YAML args, API keys, request validation."""
+
 import pytest
 import torch
 import yaml
@@ -25,16 +26,19 @@ def test_the_shipped_configs_parse():
     assert "num_replicas" not in gpu.replica_options  # autoscaling instead
 
 
-@pytest.mark.parametrize("args, field", [
-    ({"max_batch_size": 0}, "max_batch_size"),
-    ({"dtype": "float8"}, "dtype"),
-    ({"device": "tpu"}, "device"),
-    ({"num_kv_blocks": "many"}, "num_kv_blocks"),
-    ({"max_batch": 8}, "max_batch"),  # a typo is an error, not silently ignored
-    ({"replica": {"num_replicas": 2, "autoscaling_config": {"max_replicas": 4}}}, "replica"),
-    ({"api_keys": [{"key": "short"}]}, "api_keys.0.key"),
-    ({"adapter_dirs": ["/no/such/dir"]}, "adapter_dirs.0"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"num_kv_blocks": "many"}, "num_kv_blocks"),
+        ({"max_batch": 8}, "max_batch"),  # a typo is an error, not silently ignored
+        ({"replica": {"num_replicas": 2, "autoscaling_config": {"max_replicas": 4}}}, "replica"),
+        ({"api_keys": [{"key": "short"}]}, "api_keys.0.key"),
+        ({"adapter_dirs": ["/no/such/dir"]}, "adapter_dirs.0"),
+    ],
+)
 def test_bad_config_names_the_field(args, field):
     with pytest.raises(ConfigError) as err:
         parse_args(args, "base")
@@ -68,8 +72,15 @@ def test_sampling_defaults_and_limits():
     assert chat.sampling(prompt_len=10, context_limit=100, default_max=None, logprobs=None).max_tokens == 90
     assert chat.chat() == [{"role": "system", "content": "x"}]
     both = ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
-         "max_tokens": 50, "max_completion_tokens": 7, "stop": "x", "logprobs": True})
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+            "max_tokens": 50,
+            "max_completion_tokens": 7,
+            "stop": "x",
+            "logprobs": True,
+        }
+    )
     params = both.sampling(10, 100, None, both.engine_logprobs)
     assert (params.max_tokens, params.stop, params.logprobs) == (7, ("x",), 0)
     text = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2, 3]]})
@@ -78,13 +89,16 @@ def test_sampling_defaults_and_limits():
         text.sampling(100, 100, 16, None)
 
 
-@pytest.mark.parametrize("body", [
-    {"model": "m", "prompt": "p", "n": 17},  # above MAX_CHOICES
-    {"model": "m", "prompt": "p", "max_tokens": 1.0},
-    {"model": "m", "prompt": "p", "stream": 1},
-    {"model": "m", "prompt": "p", "frequency_penalty": 2.5},
-    {"model": "", "prompt": "p"},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "prompt": "p", "n": 17},  # above MAX_CHOICES
+        {"model": "m", "prompt": "p", "max_tokens": 1.0},
+        {"model": "m", "prompt": "p", "stream": 1},
+        {"model": "m", "prompt": "p", "frequency_penalty": 2.5},
+        {"model": "", "prompt": "p"},
+    ],
+)
 def test_unsupported_or_mistyped_fields_are_rejected(body):
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate(body)

@@ -2,6 +2,7 @@
 with the documented status (never a 500 for bad input), nothing left behind in the
 engine, and the server keeps serving. The app runs with serve_config.yaml's args as
 they are (no API keys: open); its engine fails on purpose for requests with FAIL_SEED."""
+
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -86,20 +87,36 @@ BAD_BODIES = {  # id: (path, raw body or JSON fields, status, code, param)
     "logit-bias": (CHATS, _chat(logit_bias={"50": 101}), 400, "invalid_value", "logit_bias"),
     "logit-bias-outside-vocab": (CHATS, _chat(logit_bias={"10000000": 1}), 400, "invalid_request_error", None),
     # the default model's chat template does not render tools (docs/tool_calling.md)
-    "tools": (CHATS, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "invalid_request_error", None),
+    "tools": (
+        CHATS,
+        _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        "invalid_request_error",
+        None,
+    ),
     "echo": (COMPLETIONS, _completion(echo=True), 400, "invalid_value", None),
     "stream-options-alone": (CHATS, _chat(stream_options={"include_usage": True}), 400, "invalid_value", None),
     "empty-messages": (CHATS, _chat(messages=[]), 400, "invalid_value", "messages"),
     "bad-role": (CHATS, _chat(messages=[{"role": "robot", "content": "x"}]), 400, "invalid_value", "messages"),
-    "image-part": (CHATS, _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-                   400, "invalid_value", "messages"),
+    "image-part": (
+        CHATS,
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400,
+        "invalid_value",
+        "messages",
+    ),
     "empty-prompt": (COMPLETIONS, _completion(prompt=""), 400, "invalid_value", "prompt"),
     "two-prompts": (COMPLETIONS, _completion(prompt=["a", "b"]), 400, "invalid_value", "prompt"),
     "empty-stop": (COMPLETIONS, _completion(stop=[""]), 400, "invalid_value", "stop"),
     "token-outside-vocab": (COMPLETIONS, _completion(prompt=[10**7]), 400, "invalid_request_error", None),
     "beyond-context": (COMPLETIONS, _completion(max_tokens=10**6), 400, "context_length_exceeded", None),
-    "prompt-fills-context": (CHATS, _chat(messages=[{"role": "user", "content": "hi " * 5000}], max_tokens=None),
-                             400, "context_length_exceeded", None),
+    "prompt-fills-context": (
+        CHATS,
+        _chat(messages=[{"role": "user", "content": "hi " * 5000}], max_tokens=None),
+        400,
+        "context_length_exceeded",
+        None,
+    ),
 }
 
 
@@ -156,8 +173,9 @@ def test_engine_failure_mid_stream_ends_with_an_error_event(http):
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "engine_error"
     assert len(events) - 2 >= 3, "tokens came before the failure"
-    assert_openai_error(http.post(COMPLETIONS, json=_completion(max_tokens=20, min_tokens=20, seed=FAIL_SEED)),
-                        500, "engine_error")
+    assert_openai_error(
+        http.post(COMPLETIONS, json=_completion(max_tokens=20, min_tokens=20, seed=FAIL_SEED)), 500, "engine_error"
+    )
     assert _idle()
 
 

@@ -1,6 +1,7 @@
 """The serving app over real HTTP with the official `openai` client: Ray Serve started
 once for this module from serve_config.yaml's args (plus API keys), the default model
 and every example adapter."""
+
 import random
 import threading
 
@@ -48,11 +49,15 @@ def reference():
     settings = parse_args(_args(EXAMPLE_ADAPTERS), BASE)
     core = build_engine(None, settings.engine, local_adapters(EXAMPLE_ADAPTERS))
     tok = core.tokenizer
-    chat_ids = tok(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False)["input_ids"]
+    chat_ids = tok(
+        tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )["input_ids"]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    requests = {(m, kind): GenerateRequest(f"{m}/{kind}", tuple(ids), params, None if m == BASE else m)
-                for m in [BASE, *ADAPTERS] for kind, ids in [("text", tok(PROMPT)["input_ids"]), ("chat", chat_ids)]}
+    requests = {
+        (m, kind): GenerateRequest(f"{m}/{kind}", tuple(ids), params, None if m == BASE else m)
+        for m in [BASE, *ADAPTERS]
+        for kind, ids in [("text", tok(PROMPT)["input_ids"]), ("chat", chat_ids)]
+    }
     for r in requests.values():  # one batch: rows of different adapters never mix (that's what SGMV guarantees)
         core.add(r)
     text = {r.request_id: "" for r in requests.values()}
@@ -78,8 +83,9 @@ def test_greedy_output_equals_the_engine(client, reference, model):
     chat = client.chat.completions.create(messages=QUESTION, **common)
     assert chat.choices[0].message.content == reference[model, "chat"]
     assert chat.choices[0].message.role == "assistant" and chat.model == model
-    chunks = list(client.chat.completions.create(messages=QUESTION, stream=True,
-                                                 stream_options={"include_usage": True}, **common))
+    chunks = list(
+        client.chat.completions.create(messages=QUESTION, stream=True, stream_options={"include_usage": True}, **common)
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference[model, "chat"]
     assert chunks[-1].usage.model_dump() == chat.usage.model_dump()  # the usage chunk comes last
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
@@ -91,8 +97,9 @@ def test_concurrent_requests_for_different_adapters_share_one_batch(client):
     texts = {}
 
     def stream(model):
-        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
-                                        extra_body={"min_tokens": 24})  # no early stop: all stay running
+        out = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=24, temperature=0, stream=True, extra_body={"min_tokens": 24}
+        )  # no early stop: all stay running
         first = next(out)
         started.wait()
         texts[model] = first.choices[0].text + "".join(c.choices[0].text for c in out)
@@ -110,8 +117,9 @@ def test_concurrent_requests_for_different_adapters_share_one_batch(client):
 
 
 def test_logprobs(client):
-    chat = client.chat.completions.create(model=ADAPTERS[0], messages=QUESTION, max_tokens=5, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=ADAPTERS[0], messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for entry in content:
@@ -131,12 +139,17 @@ def test_stop_seed_and_max_completion_tokens(client):
     assert full.text.startswith(stopped.choices[0].text)
 
     def sample(seed):
-        return client.completions.create(model=ADAPTERS[-1], prompt=PROMPT, max_tokens=8, temperature=1.0,
-                                         seed=seed).choices[0].text
+        return (
+            client.completions.create(model=ADAPTERS[-1], prompt=PROMPT, max_tokens=8, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+        )
+
     assert sample(7) == sample(7)
 
-    capped = client.chat.completions.create(model=BASE, messages=QUESTION, max_completion_tokens=3,
-                                            extra_body={"min_tokens": 3})
+    capped = client.chat.completions.create(
+        model=BASE, messages=QUESTION, max_completion_tokens=3, extra_body={"min_tokens": 3}
+    )
     assert capped.usage.completion_tokens == 3 and capped.choices[0].finish_reason == "length"
 
 
@@ -160,8 +173,10 @@ def test_a_key_is_required(server):
 
     body = {"model": BASE, "prompt": PROMPT, "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer sk-wrong-key-0000"}, {"Authorization": "Basic abc"}):
-        for r in (httpx.post(f"{server}/v1/completions", json=body, headers=headers),
-                  httpx.get(f"{server}/v1/models", headers=headers)):
+        for r in (
+            httpx.post(f"{server}/v1/completions", json=body, headers=headers),
+            httpx.get(f"{server}/v1/models", headers=headers),
+        ):
             assert r.status_code == 401, r.text
             assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server}/health").status_code == 200  # health needs no key
@@ -184,14 +199,18 @@ def test_admin_registers_lists_and_unregisters_adapters(server, client, tmp_path
     registered = admin.post("/adapters", json={"name": "copy", "path": str(copy)})
     assert registered.status_code == 200, registered.text
     assert "copy" in [m.id for m in client.models.list().data]
-    same = [client.completions.create(model=m, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
-            for m in (ADAPTERS[0], "copy")]
+    same = [
+        client.completions.create(model=m, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+        for m in (ADAPTERS[0], "copy")
+    ]
     assert same[0] == same[1]  # same weights under a new name, loaded on demand
 
-    for bad, code in (({"name": "x", "path": str(tmp_path)}, "invalid_adapter"),  # no adapter files there
-                      ({"name": "x", "path": "relative/dir"}, "invalid_adapter"),
-                      ({"name": "../x", "path": str(copy)}, "invalid_value"),
-                      ({"name": BASE, "path": str(copy)}, "invalid_request_error")):
+    for bad, code in (
+        ({"name": "x", "path": str(tmp_path)}, "invalid_adapter"),  # no adapter files there
+        ({"name": "x", "path": "relative/dir"}, "invalid_adapter"),
+        ({"name": "../x", "path": str(copy)}, "invalid_value"),
+        ({"name": BASE, "path": str(copy)}, "invalid_request_error"),
+    ):
         r = admin.post("/adapters", json=bad)
         assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
 
@@ -208,8 +227,9 @@ def test_n_choices_with_a_seed_equal_their_seeds_alone(client):
     prompt's full KV blocks computed once (the engine's token count); streamed chat choices interleave
     by index and reassemble to the whole answer; best_of returns the best of the same choices."""
     rng = random.Random()
-    prompt = " ".join(rng.choice(["river", "stone", "quiet", "lamp", "north", "bread", "glass", "wind"])
-                      for _ in range(60))  # fresh: no cached prefix
+    prompt = " ".join(
+        rng.choice(["river", "stone", "quiet", "lamp", "north", "bread", "glass", "wind"]) for _ in range(60)
+    )  # fresh: no cached prefix
     seed, common = rng.getrandbits(62), dict(model=ADAPTERS[0], max_tokens=8, temperature=0.8)
     before = replica_stats()["tokens_computed"]
     many = client.completions.create(prompt=prompt, n=4, seed=seed, logprobs=0, **common)
@@ -229,8 +249,11 @@ def test_n_choices_with_a_seed_equal_their_seeds_alone(client):
         client.completions.create(prompt=prompt, n=1, best_of=2, stream=True, **common)
 
     chat = client.chat.completions.create(messages=QUESTION, n=3, seed=seed, **common)
-    chunks = list(client.chat.completions.create(messages=QUESTION, n=3, seed=seed, stream=True,
-                                                 stream_options={"include_usage": True}, **common))
+    chunks = list(
+        client.chat.completions.create(
+            messages=QUESTION, n=3, seed=seed, stream=True, stream_options={"include_usage": True}, **common
+        )
+    )
     texts, ends = ["", "", ""], []
     for chunk in chunks:
         for choice in chunk.choices:
@@ -249,8 +272,12 @@ def test_vllm_adapter_routes(server, client):
 
     admin = checked_client(base_url=f"{server}/v1", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
     body = {"lora_name": "vllm-copy", "lora_path": str(EXAMPLE_ADAPTERS / ADAPTERS[0])}
-    assert httpx.post(f"{server}/v1/load_lora_adapter", json=body,
-                      headers={"Authorization": f"Bearer {ALL_KEY}"}).status_code == 403
+    assert (
+        httpx.post(
+            f"{server}/v1/load_lora_adapter", json=body, headers={"Authorization": f"Bearer {ALL_KEY}"}
+        ).status_code
+        == 403
+    )
     loaded = admin.post("/load_lora_adapter", json=body)
     assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'vllm-copy' added successfully."
     assert client.completions.create(model="vllm-copy", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1

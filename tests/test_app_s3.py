@@ -2,6 +2,7 @@
 (moto), Ray Serve started for real, the official `openai` client. An adapter registered
 from S3 answers exactly what the same adapter answers from its local directory, and a
 re-uploaded adapter is served with its new weights once re-registered, never the stale ones."""
+
 import os
 
 import pytest
@@ -31,8 +32,13 @@ def _upload(s3, local_name: str, key_prefix: str) -> str:
 @pytest.fixture(scope="module")
 def server(s3):
     s3.bucket(BUCKET)
-    aws = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE",
-           "AWS_SHARED_CREDENTIALS_FILE")
+    aws = (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_DEFAULT_REGION",
+        "AWS_CONFIG_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+    )
     env = {"AWS_ENDPOINT_URL": s3.endpoint, **{k: os.environ[k] for k in aws}}  # the replicas' boto3 → moto
     with serving({APP: (build_app(config_args()), "/")}, env=env) as url:
         yield url
@@ -49,8 +55,10 @@ def admin(server):
 
 
 def _answers(client, model: str) -> list[str]:
-    return [client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
-            for p in PROMPTS]
+    return [
+        client.completions.create(model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+        for p in PROMPTS
+    ]
 
 
 def test_adapters_from_s3_answer_as_from_a_local_directory(s3, client, admin):

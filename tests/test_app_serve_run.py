@@ -1,5 +1,6 @@
 """The README's run command, exactly as a user types it (`serve run serve_config.yaml`
 from the repository root), brings the endpoint up; a request succeeds; Ctrl-C stops it."""
+
 import os
 import shutil
 import signal
@@ -43,8 +44,15 @@ def served(tmp_path):
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         # SIGINT as in a terminal (a shell's background job inherits it ignored): Ctrl-C must work
-        proc = subprocess.Popen(COMMAND.split(), cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(
+            COMMAND.split(),
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     try:
         yield f"http://127.0.0.1:{port}", proc, log
     finally:
@@ -56,8 +64,11 @@ def served(tmp_path):
 def test_readme_run_command_serves_and_stops(served):
     url, proc, log = served
     assert any(COMMAND in line for line in (REPO / "README.md").read_text().splitlines()[:12])  # the README's
-    up = wait_for(lambda: _healthy(url) or proc.poll() is not None or "failed with exception" in log.read_text(),
-                  timeout=420, interval=1)
+    up = wait_for(
+        lambda: _healthy(url) or proc.poll() is not None or "failed with exception" in log.read_text(),
+        timeout=420,
+        interval=1,
+    )
     assert up and _healthy(url), log.read_text()[-5000:]
 
     client = checked_openai(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -6,6 +6,7 @@ streamed deltas reassemble to the same calls; `none` (and `auto`, when the rando
 call) answers exactly what the model generates from the prompt with the tools rendered; the
 calls go back into the conversation with the tools' results; n sampled choices carry their own
 calls, each what that choice's seed answers alone."""
+
 import json
 
 import jsonschema
@@ -34,8 +35,16 @@ def model_dir(tmp_path_factory):
 def server(model_dir):
     adapters = model_dir.parent / "adapters"
     make_random_adapter(model_dir, adapters / ADAPTER, rank=4, targets=["q_proj", "v_proj", "down_proj"])
-    args = config_args(model=str(model_dir), model_name=MODEL, dtype="float64", max_model_len=1024,
-                       adapter_dirs=[str(adapters)], adapter_roots=None, max_loras=2, max_lora_rank=8)
+    args = config_args(
+        model=str(model_dir),
+        model_name=MODEL,
+        dtype="float64",
+        max_model_len=1024,
+        adapter_dirs=[str(adapters)],
+        adapter_roots=None,
+        max_loras=2,
+        max_lora_rank=8,
+    )
     with serving({"tools": (app_from_args(args), "/")}) as url:
         yield url
 
@@ -90,9 +99,15 @@ def test_required_and_named_choices_call_tools_with_valid_arguments(client, mode
 def _raw_text(client, model_dir, model, **fields):
     """What the model writes for the chat prompt with the tools rendered (by /v1/completions on its ids)."""
     tok = load_tokenizer(model_dir)
-    ids = tok(tok.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True, tokenize=False),
-              add_special_tokens=False)["input_ids"]
-    return client.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0.0, **fields).choices[0].text
+    ids = tok(
+        tok.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )["input_ids"]
+    return (
+        client.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0.0, **fields)
+        .choices[0]
+        .text
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -106,20 +121,34 @@ def test_none_and_auto_answer_what_the_model_writes(client, model_dir, stream):
 
 def test_a_conversation_carries_calls_and_results(client):
     """Turn 1 calls the tools; turn 2 sends the assistant's calls and the tools' results back."""
-    first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required",
-                                           max_tokens=MAX_TOKENS, temperature=0.0).choices[0].message
+    first = (
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS, temperature=0.0
+        )
+        .choices[0]
+        .message
+    )
     results = [{"role": "tool", "tool_call_id": c.id, "content": "42"} for c in first.tool_calls]
     messages = QUESTION + [first.model_dump(exclude_none=True)] + results
-    second = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none",
-                                            max_tokens=8, temperature=0.0).choices[0]
+    second = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0.0
+    ).choices[0]
     assert second.message.tool_calls is None and second.finish_reason == "length" and second.message.content
 
 
-@pytest.mark.parametrize("fields, says", [
-    (dict(tool_choice={"type": "function", "function": {"name": "mul"}}), "not in tools"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/x"}}}], tool_choice="required"),
-     "#/x"),
-])
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        (dict(tool_choice={"type": "function", "function": {"name": "mul"}}), "not in tools"),
+        (
+            dict(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/x"}}}],
+                tool_choice="required",
+            ),
+            "#/x",
+        ),
+    ],
+)
 def test_bad_tool_requests_are_400s(client, fields, says):
     with pytest.raises(BadRequestError, match=says):
         client.chat.completions.create(**{"model": MODEL, "messages": QUESTION, "tools": TOOLS, **fields})
@@ -129,8 +158,15 @@ def test_n_sampled_choices_each_carry_their_own_calls(client):
     """n = 2 under `required`, sampled: each choice's calls are parsed on their own and valid, the
     interleaved stream reassembles per choice to the whole answer, and choice j is what the same
     request alone with seed + j answers."""
-    request = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS,
-                   temperature=1.0, seed=1234)
+    request = dict(
+        model=MODEL,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=1234,
+    )
     whole = client.chat.completions.create(n=2, **request).choices
     assert [c.index for c in whole] == [0, 1]
     answers = [_calls_of(c) for c in whole]
@@ -154,5 +190,8 @@ def test_n_sampled_choices_each_carry_their_own_calls(client):
 
 
 def _calls_of(choice):
-    return choice.message.content, [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()], \
-        choice.finish_reason
+    return (
+        choice.message.content,
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()],
+        choice.finish_reason,
+    )

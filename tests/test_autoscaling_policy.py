@@ -1,5 +1,6 @@
 """The autoscaling policy's decisions as a pure function (no Ray), and how serve_config's
 autoscaling_config becomes Ray's."""
+
 from app.config import parse_args
 from cluster.autoscaling import POLICY_PATH, PolicyConfig, ReplicaLoad, decide, ray_autoscaling_config
 
@@ -78,8 +79,11 @@ def test_every_replica_above_high_water_adds_one():
 
 
 def test_down_only_by_the_replicas_idle_for_the_delay_at_the_newest_end():
-    loads = [load("a", running=3, started_at=1), load("b", idle_since=100.0, started_at=2),
-             load("c", idle_since=105.0, started_at=3)]
+    loads = [
+        load("a", running=3, started_at=1),
+        load("b", idle_since=100.0, started_at=2),
+        load("c", idle_since=105.0, started_at=3),
+    ]
     # b has been idle for the delay, but Ray would stop c, the newest, idle for only 6 s
     assert decide(111.0, 3, 3, loads, 0, 0, 8, CFG, {}).target == 3
     d = decide(116.0, 3, 3, loads, 0, 0, 8, CFG, {})
@@ -87,8 +91,11 @@ def test_down_only_by_the_replicas_idle_for_the_delay_at_the_newest_end():
 
 
 def test_an_idle_replica_stays_while_every_other_is_above_high_water():
-    full = [load("a", running=8, started_at=1), load("b", running=8, started_at=2),
-            load("c", idle_since=1.0, started_at=3)]
+    full = [
+        load("a", running=8, started_at=1),
+        load("b", running=8, started_at=2),
+        load("c", idle_since=1.0, started_at=3),
+    ]
     assert decide(50.0, 3, 3, full, 0, 0, 8, CFG, {}).target == 3
     room = [full[0], load("b", running=4, started_at=2), full[2]]
     d = decide(50.0, 3, 3, room, 0, 0, 8, CFG, {})
@@ -156,10 +163,19 @@ def test_steady_load_holds():
 
 
 def test_config_moves_the_delays_into_the_policy():
-    ray = ray_autoscaling_config({"min_replicas": 0, "max_replicas": 4, "upscale_delay_s": 0.5,
-                                  "downscale_delay_s": 20, "downscale_to_zero_delay_s": 60})
-    assert ray["policy"] == {"policy_function": POLICY_PATH,
-                             "policy_kwargs": {"upscale_delay_s": 0.5, "downscale_delay_s": 20}}
+    ray = ray_autoscaling_config(
+        {
+            "min_replicas": 0,
+            "max_replicas": 4,
+            "upscale_delay_s": 0.5,
+            "downscale_delay_s": 20,
+            "downscale_to_zero_delay_s": 60,
+        }
+    )
+    assert ray["policy"] == {
+        "policy_function": POLICY_PATH,
+        "policy_kwargs": {"upscale_delay_s": 0.5, "downscale_delay_s": 20},
+    }
     assert ray["upscale_delay_s"] == ray["downscale_delay_s"] == 0.0 and "downscale_to_zero_delay_s" not in ray
     own = {"max_replicas": 4, "policy": {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}}
     assert ray_autoscaling_config(own) == own

@@ -10,6 +10,7 @@ router) and app.client_stream's ResubmittingStream, as in the ingress. Each requ
 the replicas that accepted it (the routing log); tests/replica_watch.py samples every
 replica actor's stats.
 """
+
 from __future__ import annotations
 
 import re
@@ -31,8 +32,13 @@ def cluster():
     from ray import serve
 
     metrics_port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         yield metrics_port
@@ -51,8 +57,18 @@ def steady_app(cluster):
 def test_ramp_up_then_down_to_zero_and_back(cluster):
     delay = 2.0
     # busy_newer_wait_s: an idle replica never makes Ray stop a busy one here (the next test does)
-    deploy("ramp", {"min_replicas": 0, "initial_replicas": 1, "max_replicas": 3, "upscale_delay_s": 0.5,
-                    "downscale_delay_s": delay, "busy_newer_wait_s": 60.0}, 2)
+    deploy(
+        "ramp",
+        {
+            "min_replicas": 0,
+            "initial_replicas": 1,
+            "max_replicas": 3,
+            "upscale_delay_s": 0.5,
+            "downscale_delay_s": delay,
+            "busy_newer_wait_s": 60.0,
+        },
+        2,
+    )
     with ReplicaWatch("ramp") as watch:
         assert wait_for(lambda: len(watch.reporting()) == 1, timeout=30)
         # 6 streams of 7.5 s against one replica of batch 2: they wait for room, the deployment grows
@@ -95,8 +111,18 @@ def test_scale_down_of_a_replica_still_streaming_migrates_its_streams(cluster):
     # replica started for it. The first empties and idles; Ray would stop the second, so the
     # policy gives it busy_newer_wait_s to empty, then releases one replica anyway: Ray stops
     # the second, and its stream moves to the first.
-    deploy("drain", {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0.5,
-                     "downscale_delay_s": 1.5, "busy_newer_wait_s": 1.0}, 2)
+    deploy(
+        "drain",
+        {
+            "min_replicas": 1,
+            "initial_replicas": 1,
+            "max_replicas": 2,
+            "upscale_delay_s": 0.5,
+            "downscale_delay_s": 1.5,
+            "busy_newer_wait_s": 1.0,
+        },
+        2,
+    )
     with ReplicaWatch("drain") as watch:
         assert wait_for(lambda: len(watch.reporting()) == 1, timeout=30)
         (first,) = watch.names()
@@ -169,11 +195,23 @@ def test_engine_and_autoscaler_metrics_on_the_prometheus_endpoint(cluster, stead
     text = wait_for(probed, timeout=30)
     assert text, "the engine's per-adapter counter never reached the metrics endpoint"
     assert series_total(text, "ray_loraplex_engine_requests_total", application=steady_app, adapter=probe) == 4
-    for n in ["requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_total", "batch_size_bucket",
-              "step_seconds_bucket", "time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket",
-              "prompt_tokens_total", "generation_tokens_total", "requests_finished_total"]:
-        assert series_total(text, f"ray_loraplex_engine_{n}", application=steady_app) > 0 or \
-            f"ray_loraplex_engine_{n}" in text, n
+    for n in [
+        "requests_running",
+        "requests_waiting",
+        "kv_blocks_used",
+        "kv_blocks_total",
+        "batch_size_bucket",
+        "step_seconds_bucket",
+        "time_to_first_token_seconds_bucket",
+        "time_per_output_token_seconds_bucket",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "requests_finished_total",
+    ]:
+        assert (
+            series_total(text, f"ray_loraplex_engine_{n}", application=steady_app) > 0
+            or f"ray_loraplex_engine_{n}" in text
+        ), n
     assert series_total(text, "ray_loraplex_engine_generation_tokens_total", application=steady_app) >= 24
     assert series_total(text, "ray_loraplex_engine_time_to_first_token_seconds_count", application=steady_app) >= 4
     assert set(series(text, "ray_loraplex_engine_kv_blocks_total", application=steady_app)) == {512}  # per replica

@@ -1,4 +1,5 @@
 """The routing policy and the migration bounds, without Ray Serve running."""
+
 import asyncio
 
 import pytest
@@ -13,13 +14,18 @@ POLICY = Policy(reserve_blocks=1, max_batch=4, block_size=16)
 
 
 def stats(running=0, waiting=0, free=100, started=0.0, adapters=(), draining=False, max_batch=4):
-    return ReplicaStats(running, waiting, max_batch, free, 100, 16, tuple(adapters), draining, started, 1.0,
-                        running + waiting, (), -4.0)
+    return ReplicaStats(
+        running, waiting, max_batch, free, 100, 16, tuple(adapters), draining, started, 1.0, running + waiting, (), -4.0
+    )
 
 
 def test_busiest_with_room_first_then_oldest():
-    views = [ReplicaView("a", stats(1, started=1)), ReplicaView("b", stats(3, started=2)),
-             ReplicaView("c", stats(1, started=0)), ReplicaView("d", stats(4, started=0))]
+    views = [
+        ReplicaView("a", stats(1, started=1)),
+        ReplicaView("b", stats(3, started=2)),
+        ReplicaView("c", stats(1, started=0)),
+        ReplicaView("d", stats(4, started=0)),
+    ]
     assert rank(views, Need(10), POLICY) == ["b", "c", "a"]  # d is full
 
 
@@ -30,23 +36,32 @@ def test_counts_what_was_sent_since_the_report():
 
 def test_kv_room_includes_prompt_and_reserve():
     # 40 tokens = 3 blocks, + 1 reserve = 4 needed
-    views = [ReplicaView("a", stats(3, free=3)), ReplicaView("b", stats(0, free=10, started=5)),
-             ReplicaView("c", stats(2, free=6), sent=1, sent_blocks=3)]
+    views = [
+        ReplicaView("a", stats(3, free=3)),
+        ReplicaView("b", stats(0, free=10, started=5)),
+        ReplicaView("c", stats(2, free=6), sent=1, sent_blocks=3),
+    ]
     assert rank(views, Need(40), POLICY) == ["b"]
     assert rank([ReplicaView("a", stats(3, free=4))], Need(40), POLICY) == ["a"]
 
 
 def test_a_request_of_n_choices_needs_n_rows_and_a_tail_block_per_further_choice():
     # 3 choices of 40 tokens: 3 rows; 3 prompt blocks + 2 tails + 1 reserve = 6 blocks
-    views = [ReplicaView("a", stats(2, free=50)), ReplicaView("b", stats(1, free=5, started=1)),
-             ReplicaView("c", stats(1, free=6, started=2))]
+    views = [
+        ReplicaView("a", stats(2, free=50)),
+        ReplicaView("b", stats(1, free=5, started=1)),
+        ReplicaView("c", stats(1, free=6, started=2)),
+    ]
     assert rank(views, Need(40, rows=3), POLICY) == ["c"]
     assert rank([ReplicaView("new", None, sent=2)], Need(10, rows=3), POLICY) == []  # 2 sent + 3 > 4
 
 
 def test_resident_adapter_breaks_ties_draining_and_avoided_get_nothing():
-    views = [ReplicaView("a", stats(2, started=0)), ReplicaView("b", stats(2, started=0, adapters=["x"])),
-             ReplicaView("c", stats(3, draining=True))]
+    views = [
+        ReplicaView("a", stats(2, started=0)),
+        ReplicaView("b", stats(2, started=0, adapters=["x"])),
+        ReplicaView("c", stats(3, draining=True)),
+    ]
     assert rank(views, Need(5, adapter="x"), POLICY) == ["b", "a"]
     assert rank(views, Need(5, adapter="x", avoid=frozenset({"b"})), POLICY) == ["a"]
 
@@ -82,6 +97,7 @@ def test_stats_round_trip_and_unknown():
 
 
 # -- ResubmittingStream against scripted replicas ------------------------------------
+
 
 class _Script:
     """A stand-in for a replica's DeploymentResponseGenerator."""
@@ -129,9 +145,12 @@ def _tok(t, text, finish=None):
 
 
 def test_failover_resubmits_relayed_tokens_and_excludes_the_dead_replica():
-    chunks, submitted = _run([
-        _Script([Accepted("A"), _tok(7, "x"), ActorDiedError()]),
-        _Script([Accepted("B"), _tok(8, "y"), _tok(9, "z", "length")])])
+    chunks, submitted = _run(
+        [
+            _Script([Accepted("A"), _tok(7, "x"), ActorDiedError()]),
+            _Script([Accepted("B"), _tok(8, "y"), _tok(9, "z", "length")]),
+        ]
+    )
     assert [c.token_ids for c in chunks] == [(7,), (8,), (9,)]
     again = submitted[1]
     assert again.resume_token_ids == (7,) and again.resume_text_chars == 1
@@ -139,9 +158,12 @@ def test_failover_resubmits_relayed_tokens_and_excludes_the_dead_replica():
 
 
 def test_migrate_chunk_moves_with_source_soft_avoided():
-    chunks, submitted = _run([
-        _Script([Accepted("A"), _tok(7, "x"), Migrate("r", (1, 2, 3), (7,), 5, "kv_cache_exhausted")]),
-        _Script([Accepted("B"), _tok(8, "y", "stop")])])
+    chunks, submitted = _run(
+        [
+            _Script([Accepted("A"), _tok(7, "x"), Migrate("r", (1, 2, 3), (7,), 5, "kv_cache_exhausted")]),
+            _Script([Accepted("B"), _tok(8, "y", "stop")]),
+        ]
+    )
     assert [c.text for c in chunks] == ["x", "y"]
     assert submitted[1].migrated_from == "A" and submitted[1].avoid_replicas == ()
 

@@ -6,6 +6,7 @@ Every output is compared with the same request run alone on one uninterrupted en
 (in this process, same checkpoint). Engines compute in float64: a moved request is recomputed
 in another batch shape, and the tiny model's near-uniform 49k-token distributions put fp32's
 rounding within reach of a sampled draw's boundary (3 of 100 resumed streams differed)."""
+
 import asyncio
 import random
 import time
@@ -46,16 +47,25 @@ PACK_LEN = 256  # the "pack" replicas' context length
 
 def _args(model, adapters, block, blocks, batch, max_len):
     return config_args(
-        model=str(model), dtype="float64", max_batch_size=batch, num_kv_blocks=blocks, block_size=block, max_model_len=max_len,
-        max_tokens_per_step=256, adapter_dirs=[str(adapters)], max_loras=4, max_lora_rank=8,
+        model=str(model),
+        dtype="float64",
+        max_batch_size=batch,
+        num_kv_blocks=blocks,
+        block_size=block,
+        max_model_len=max_len,
+        max_tokens_per_step=256,
+        adapter_dirs=[str(adapters)],
+        max_loras=4,
+        max_lora_rank=8,
         replica={"num_replicas": 3, "ray_actor_options": {"num_cpus": 0.5}},
         ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
-        cluster={"routing_stats_period_s": 0.2, "failover_wait_s": 60, "max_migrations": 32})
+        cluster={"routing_stats_period_s": 0.2, "failover_wait_s": 60, "max_migrations": 32},
+    )
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """"pack": slowed engines of batch 4 with room (placement, kills, scale-down); "move":
+    """ "pack": slowed engines of batch 4 with room (placement, kills, scale-down); "move":
     the whole app (ingress included) on engines of batch 4 and 40 KV tokens, so requests
     are preempted."""
     root = tmp_path_factory.mktemp("cluster")
@@ -70,6 +80,7 @@ def cluster(tmp_path_factory):
 
 
 # -- 1. consolidation ---------------------------------------------------------------
+
 
 def test_requests_fill_the_oldest_replica_first_and_an_emptied_replica_stays_empty(cluster):
     from ray import serve
@@ -106,6 +117,7 @@ def test_requests_fill_the_oldest_replica_first_and_an_emptied_replica_stays_emp
 
 # -- 2. migration equivalence, and its bound ------------------------------------------
 
+
 def test_forced_migrations_are_invisible_to_clients_and_bounded(cluster):
     rng = random.Random(7)
     requests = make_requests(110, rng, prompt_len=(3, 6), max_tokens=(26, 34))  # 29-40 tokens: one fits a replica's 40
@@ -114,8 +126,9 @@ def test_forced_migrations_are_invisible_to_clients_and_bounded(cluster):
     submit = submit_to("move", cluster["specs"])
 
     async def go():
-        return await asyncio.gather(*(
-            client_stream(submit, r, policy=one_move if r.request_id in bounded else POLICY) for r in requests))
+        return await asyncio.gather(
+            *(client_stream(submit, r, policy=one_move if r.request_id in bounded else POLICY) for r in requests)
+        )
 
     results = asyncio.run(go())
     reference = Reference(cluster["model"], cluster["adapters"], block_size=4)
@@ -138,18 +151,25 @@ def test_openai_clients_see_one_stream_through_migrations(cluster):
     client = checked_openai(base_url=cluster["url"] + "/move/v1", api_key="none", max_retries=0, timeout=120)
     reference = Reference(cluster["model"], cluster["adapters"], block_size=4)
     load = make_requests(16, rng, prompt_len=(3, 6), max_tokens=(16, 30), prefix="bg")
-    cases = [(list(rng.randrange(100, 49000) for _ in range(5)), 30, seed, stream, stop)
-             for seed, stream, stop in [(3, True, None), (5, False, [" the"]), (9, True, ["ing"]), (13, False, None)]]
+    cases = [
+        (list(rng.randrange(100, 49000) for _ in range(5)), 30, seed, stream, stop)
+        for seed, stream, stop in [(3, True, None), (5, False, [" the"]), (9, True, ["ing"]), (13, False, None)]
+    ]
 
     def http_case(prompt, max_tokens, seed, stream, stop):
-        kw = dict(model="model", prompt=prompt, max_tokens=max_tokens, temperature=0.8, seed=seed, stop=stop, logprobs=1)
+        kw = dict(
+            model="model", prompt=prompt, max_tokens=max_tokens, temperature=0.8, seed=seed, stop=stop, logprobs=1
+        )
         if not stream:
             r = client.completions.create(**kw)
             return r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason
         parts = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
         assert len({p.id for p in parts}) == 1
-        return "".join(p.choices[0].text for p in parts if p.choices), parts[-1].usage.completion_tokens, \
-            [p.choices[0].finish_reason for p in parts if p.choices][-1]
+        return (
+            "".join(p.choices[0].text for p in parts if p.choices),
+            parts[-1].usage.completion_tokens,
+            [p.choices[0].finish_reason for p in parts if p.choices][-1],
+        )
 
     async def go():
         submit = submit_to("move", cluster["specs"])
@@ -161,12 +181,22 @@ def test_openai_clients_see_one_stream_through_migrations(cluster):
     answers, background = asyncio.run(go())
     assert sum(len(s.moves) for s, _ in background) > 0
     for (prompt, max_tokens, seed, _, stop), got in zip(cases, answers):
-        want = summary(reference(GenerateRequest("ref", tuple(prompt), SamplingParams(
-            max_tokens=max_tokens, temperature=0.8, seed=seed, stop=tuple(stop or ()), logprobs=1))))
+        want = summary(
+            reference(
+                GenerateRequest(
+                    "ref",
+                    tuple(prompt),
+                    SamplingParams(
+                        max_tokens=max_tokens, temperature=0.8, seed=seed, stop=tuple(stop or ()), logprobs=1
+                    ),
+                )
+            )
+        )
         assert got == (want[1], want[3], want[2])
 
 
 # -- 3. failover ---------------------------------------------------------------------
+
 
 def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
     rng = random.Random(3)
@@ -180,10 +210,19 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
         n = len(stream.token_ids)
         crossed = lambda x: n - len(chunk.token_ids) < x <= n  # noqa: E731 (an item may carry several tokens)
         others = sum(k != "edge" for _, k, _ in kills)
-        due = stream.replica is not None and not chunk.finish_reason and (
-            (stream.request is edge and crossed(PACK_LEN - 7))  # at its last token (or the item holding it)
-            or (stream.request is not edge and others < 4 and (crossed(20) or crossed(50))
-                and time.monotonic() > kills_at[0]))
+        due = (
+            stream.replica is not None
+            and not chunk.finish_reason
+            and (
+                (stream.request is edge and crossed(PACK_LEN - 7))  # at its last token (or the item holding it)
+                or (
+                    stream.request is not edge
+                    and others < 4
+                    and (crossed(20) or crossed(50))
+                    and time.monotonic() > kills_at[0]
+                )
+            )
+        )
         if due and stream.replica not in [r for r, _, _ in kills]:
             kills.append((stream.replica, stream.request.request_id, n))
             kills_at[0] = time.monotonic() + 1.0
@@ -191,8 +230,9 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
 
     async def go():
         submit = submit_to("pack", cluster["specs"])
-        return await asyncio.gather(*(client_stream(submit, r, maybe_kill, leave_at=leave.get(r.request_id))
-                                      for r in requests))
+        return await asyncio.gather(
+            *(client_stream(submit, r, maybe_kill, leave_at=leave.get(r.request_id)) for r in requests)
+        )
 
     results = asyncio.run(go())
     assert sum(k != "edge" for _, k, _ in kills) == 4, kills
@@ -201,7 +241,7 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
         want = reference(request)
         got = [t for c in chunks for t in c.token_ids]
         if request.request_id in leave and len(got) >= leave[request.request_id]:  # its client hung up there
-            assert got == [t for c in want for t in c.token_ids][:len(got)], request.request_id
+            assert got == [t for c in want for t in c.token_ids][: len(got)], request.request_id
         else:
             assert_same(chunks, want, request.request_id)
     # the edge's replica is killed at its last token, unless the item that brought token
@@ -214,6 +254,7 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
 
 
 # -- 4. scale-down: streams move off the stopped replica --------------------------------
+
 
 def test_scale_down_moves_streams_off_the_stopped_replica(cluster):
     rng = random.Random(5)

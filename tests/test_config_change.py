@@ -5,6 +5,7 @@ one whose replica count differs (a light update: 3 → 2, the stopped replica's 
 move). Every stream ends with `[DONE]` and equals its reference, taken from the same
 server before the change (greedy, one stream at a time); a fresh request sent during each
 change succeeds."""
+
 import os
 import re
 import shutil
@@ -31,8 +32,15 @@ def _config(path, model, port, replicas: int, max_body_bytes: int):
     config["http_options"]["port"] = port
     app = config["applications"][0]
     app["import_path"] = "tests.fault_app:build_app"
-    app["args"].update(model=str(model), max_model_len=256, adapter_dirs=[], registry_path=None,
-                       max_body_bytes=max_body_bytes, max_batch_size=STREAMS, replica={"ray_actor_options": {"num_cpus": 0}})
+    app["args"].update(
+        model=str(model),
+        max_model_len=256,
+        adapter_dirs=[],
+        registry_path=None,
+        max_body_bytes=max_body_bytes,
+        max_batch_size=STREAMS,
+        replica={"ray_actor_options": {"num_cpus": 0}},
+    )
     app["deployments"] = [{"name": "LoraReplica", "num_replicas": replicas}, {"name": "Ingress", "num_replicas": 1}]
     path.write_text(yaml.safe_dump(config))
     return path
@@ -43,8 +51,14 @@ def _bodies():
 
 
 def _deploy(path, dashboard: str):
-    done = subprocess.run(["serve", "deploy", str(path), "-a", dashboard], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["serve", "deploy", str(path), "-a", dashboard],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -64,8 +78,14 @@ def served(tmp_path_factory):
     first = _config(root / "first.yaml", model, port, replicas=3, max_body_bytes=1 << 22)
     log = root / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(["serve", "run", str(first)], cwd=REPO, env=_env(), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            ["serve", "run", str(first)],
+            cwd=REPO,
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
 
     def healthy():
@@ -73,6 +93,7 @@ def served(tmp_path_factory):
             return httpx.get(f"{url}/health", timeout=2).status_code == 200
         except httpx.HTTPError:
             return proc.poll() is not None
+
     try:
         assert wait_for(healthy, timeout=600, interval=1) and proc.poll() is None, log.read_text()[-5000:]
         # this cluster's own dashboard (other Ray clusters on the machine may hold the default port)
@@ -99,14 +120,17 @@ def references(served):
 @pytest.mark.parametrize("change", ["args", "replicas"])
 def test_streams_survive_a_serve_deploy(served, references, change):
     url, root = served["url"], served["root"]
-    changed = (_config(root / "args.yaml", served["model"], served["port"], replicas=3, max_body_bytes=1 << 21)
-               if change == "args" else
-               _config(root / "replicas.yaml", served["model"], served["port"], replicas=2, max_body_bytes=1 << 21))
+    changed = (
+        _config(root / "args.yaml", served["model"], served["port"], replicas=3, max_body_bytes=1 << 21)
+        if change == "args"
+        else _config(root / "replicas.yaml", served["model"], served["port"], replicas=2, max_body_bytes=1 << 21)
+    )
     threads, results = start_streams(url, _bodies())
     assert all(r["started"].wait(300) for r in results), "a stream never started"
     _deploy(changed, served["dashboard"])
-    fresh = httpx.post(f"{url}/v1/completions", json={"model": "model", "prompt": "Hello", "max_tokens": 4},
-                       timeout=600)  # sent while Serve applies the change
+    fresh = httpx.post(
+        f"{url}/v1/completions", json={"model": "model", "prompt": "Hello", "max_tokens": 4}, timeout=600
+    )  # sent while Serve applies the change
     assert fresh.status_code == 200, fresh.text
     for r, expected in zip(finish(threads, results), references):
         assert r["events"][-1:] == ["[DONE]"] and not errors(r), r["events"][-3:]

@@ -1,5 +1,6 @@
 """The embedded SmolLM2-135M-Instruct: base + example adapters in one batch equal
 HF transformers + PEFT token for token; stop strings, stop tokens, min_tokens, logprobs."""
+
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,11 @@ from app.generate import EXAMPLE_ADAPTERS, local_adapters
 from app.protocol import GenerateRequest, SamplingParams
 from tests.helpers import hf_greedy, run_to_completion
 
-PROMPTS = ["What is the capital of France?", "Give me three tips for staying healthy.", "Write a short poem about the sea."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+    "Write a short poem about the sea.",
+]
 RAW = ["The three primary colors are", "def add(a, b):\n"]
 NEW_TOKENS = 64
 
@@ -45,7 +50,9 @@ def test_base_and_example_adapters_in_one_batch_equal_peft(engine, default_model
     assert engine.max_batch_seen >= len(jobs) - len(requests[0]) // 2
     adapter_dirs = local_adapters(EXAMPLE_ADAPTERS)
     for rid, adapter, prompt in jobs:
-        ref = hf_greedy(default_model_dir, Path(adapter_dirs[adapter]) if adapter else None, prompt, NEW_TOKENS, ignore_eos=True)
+        ref = hf_greedy(
+            default_model_dir, Path(adapter_dirs[adapter]) if adapter else None, prompt, NEW_TOKENS, ignore_eos=True
+        )
         assert tokens[rid] == ref, f"{rid}: engine {tok.decode(tokens[rid])!r} != HF {tok.decode(ref)!r}"
     assert engine.allocator.num_free == engine.config.num_kv_blocks
 
@@ -66,7 +73,7 @@ def test_stop_string_across_token_boundary(engine):
     ids = [t for c in full for t in c.token_ids]
     # a stop string made of the end of token 10 and the start of token 11
     left, right = tok.decode(ids[:11]), tok.decode(ids[:12])
-    stop = left[-2:] + right[len(left):][:2]
+    stop = left[-2:] + right[len(left) :][:2]
     assert stop in text
     cut = _run_one(engine, prompt, _greedy(stop=(stop,)))
     assert cut[-1].finish_reason == "stop"

@@ -1,6 +1,7 @@
 """The windowed Detokenizer releases exactly what decoding the whole output each token releases,
 on the real tokenizers (SmolLM2's byte-level BPE, Gemma 3's SentencePiece-style BPE with byte
 fallback): the same text per token, the same stop-string hits, the same flush, fresh and resumed."""
+
 import random
 
 import pytest
@@ -16,9 +17,11 @@ class FullDecode(Detokenizer):
         return self._decode(ids)
 
 
-TEXTS = ["Hello, world! Ünïcödé façade — naïve café. 東京タワーは高い。 🤖🚀 emoji 👩‍💻 end.",
-         "def f(x):\n    return x ** 2  # ½ ≈ 0.5\n\n\tTabs\tand  spaces   ",
-         "Привет, мир! مرحبا بالعالم שלום עולם 안녕하세요 세계 ∑∫∂ 🧪"]
+TEXTS = [
+    "Hello, world! Ünïcödé façade — naïve café. 東京タワーは高い。 🤖🚀 emoji 👩‍💻 end.",
+    "def f(x):\n    return x ** 2  # ½ ≈ 0.5\n\n\tTabs\tand  spaces   ",
+    "Привет, мир! مرحبا بالعالم שלום עולם 안녕하세요 세계 ∑∫∂ 🧪",
+]
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
@@ -63,7 +66,7 @@ def test_windowed_decode_releases_what_full_decode_releases(tokenizer):
     for i, ids in enumerate(_sequences(tokenizer, rng)):
         full = tokenizer.decode(ids, skip_special_tokens=True)
         start = rng.randrange(len(full) // 2 + 1)
-        stops = [(), (full[start:start + rng.randrange(1, 6)],) if full.strip() else (), ("\ufffd\ufffd", "zz")]
+        stops = [(), (full[start : start + rng.randrange(1, 6)],) if full.strip() else (), ("\ufffd\ufffd", "zz")]
         for stop in stops:
             if any(not s for s in stop):
                 continue

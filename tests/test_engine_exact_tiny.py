@@ -1,5 +1,6 @@
 """Random PEFT adapters of ranks {1, 8, 16, 64} on different target subsets, mixed in
 one batch with the base model on a tiny random GQA Llama, equal HF + PEFT greedy."""
+
 import random
 
 import pytest
@@ -20,8 +21,10 @@ ADAPTERS = {
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
-    return {name: make_random_adapter(tiny_model_dir, root / name, seed=i, **kw)
-            for i, (name, kw) in enumerate(ADAPTERS.items())}
+    return {
+        name: make_random_adapter(tiny_model_dir, root / name, seed=i, **kw)
+        for i, (name, kw) in enumerate(ADAPTERS.items())
+    }
 
 
 def test_mixed_adapters_one_batch_equal_peft(tiny_model_dir, adapters):

@@ -1,4 +1,5 @@
 """Preempt-and-recompute, aborts, block accounting and input errors on the tiny model."""
+
 import random
 
 import pytest
@@ -12,7 +13,9 @@ from tests.helpers import make_random_adapter, run_to_completion
 
 @pytest.fixture(scope="module")
 def adapter_dir(tiny_model_dir, tmp_path_factory):
-    return make_random_adapter(tiny_model_dir, tmp_path_factory.mktemp("a") / "a8", rank=8, targets=["q_proj", "down_proj"])
+    return make_random_adapter(
+        tiny_model_dir, tmp_path_factory.mktemp("a") / "a8", rank=8, targets=["q_proj", "down_proj"]
+    )
 
 
 def _engine(model_dir, adapter_dir, **kw):
@@ -22,14 +25,22 @@ def _engine(model_dir, adapter_dir, **kw):
 
 def _requests(seed, n, params, adapters=(None, "a8")):
     rng = random.Random(seed)
-    return [GenerateRequest(f"r{i}", tuple(rng.randrange(320) for _ in range(rng.randint(4, 20))), params,
-                            adapters[i % len(adapters)]) for i in range(n)]
+    return [
+        GenerateRequest(
+            f"r{i}", tuple(rng.randrange(320) for _ in range(rng.randint(4, 20))), params, adapters[i % len(adapters)]
+        )
+        for i in range(n)
+    ]
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=40, temperature=0.0),
-    SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, top_k=50, seed=1234),
-], ids=["greedy", "seeded-sampling"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=40, temperature=0.0),
+        SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, top_k=50, seed=1234),
+    ],
+    ids=["greedy", "seeded-sampling"],
+)
 def test_preempted_requests_resume_exactly(tiny_model_dir, adapter_dir, params):
     reqs = _requests(0, 6, params)
     roomy = _engine(tiny_model_dir, adapter_dir, num_kv_blocks=256)
@@ -40,7 +51,8 @@ def test_preempted_requests_resume_exactly(tiny_model_dir, adapter_dir, params):
     tight = _engine(tiny_model_dir, adapter_dir, num_kv_blocks=40)
     by_id = {r.request_id: r for r in reqs}
     got, reasons, migrates = run_to_completion(
-        tight, {0: reqs}, on_migrate=lambda m: tight.add(by_id[m.request_id].resumed(m)))
+        tight, {0: reqs}, on_migrate=lambda m: tight.add(by_id[m.request_id].resumed(m))
+    )
     assert migrates, "the tight KV cache should have forced a preemption"
     assert any(m.output_token_ids for m in migrates), "no request was preempted mid-generation"
     assert got == expected
@@ -97,8 +109,15 @@ def test_errors_before_compute(tiny_model_dir, adapter_dir, tmp_path):
         engine.add(GenerateRequest("x", (), SamplingParams()))
     with pytest.raises(InvalidRequestError):
         engine.add(GenerateRequest("x", (999,), SamplingParams()))
-    for bad in [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(top_k=-2),
-                dict(min_tokens=5, max_tokens=2), dict(stop=("",)), dict(logprobs=99)]:
+    for bad in [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(max_tokens=0),
+        dict(top_k=-2),
+        dict(min_tokens=5, max_tokens=2),
+        dict(stop=("",)),
+        dict(logprobs=99),
+    ]:
         with pytest.raises(InvalidRequestError):
             SamplingParams(**bad)
     assert engine.steps == 0 and not engine.has_work()

@@ -3,6 +3,7 @@ random PEFT adapters on every target module the family has: a mixed batch (base 
 equals HF transformers + PEFT greedy token for token through prefill and decode, with contexts
 longer than the sliding window where the family has one; and in bf16, logits as close to HF's fp32
 logits as HF's own bf16 logits are (tests/family_precision.py)."""
+
 import random
 
 import pytest
@@ -25,8 +26,10 @@ from tests.helpers import make_random_adapter, run_to_completion
 def family(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     model_dir, targets = make_family_checkpoint(request.param, root / "model")
-    adapters = {f"a{i}": make_random_adapter(model_dir, root / f"a{i}", rank=r, targets=targets, seed=i)
-                for i, r in ((1, 4), (2, 8))}
+    adapters = {
+        f"a{i}": make_random_adapter(model_dir, root / f"a{i}", rank=r, targets=targets, seed=i)
+        for i, r in ((1, 4), (2, 8))
+    }
     return request.param, model_dir, adapters
 
 
@@ -42,7 +45,8 @@ def test_family_mixed_batch_equals_hf_peft(family):
     requests = {}
     for step, rid, adapter, prompt, n in jobs:
         requests.setdefault(step, []).append(
-            GenerateRequest(rid, tuple(prompt), SamplingParams(max_tokens=n, temperature=0.0), adapter))
+            GenerateRequest(rid, tuple(prompt), SamplingParams(max_tokens=n, temperature=0.0), adapter)
+        )
     tokens, _, _ = run_to_completion(engine, requests)
     assert engine.max_batch_seen >= 4, "requests were not batched together"
     assert any(len(p) + n > WINDOW * 2 for *_, p, n in jobs)

@@ -3,6 +3,7 @@ running request's adapter is never evicted; all slots pinned → the request wai
 contents equal the adapter's weights (also for adapters on a subset of layers and in a
 narrower dtype), and on CUDA the asynchronous load never overwrites a slot that steps
 already queued may still read."""
+
 import dataclasses
 
 import pytest
@@ -18,8 +19,14 @@ from tests.store_helpers import TINY_SHAPE as SHAPE
 def adapter(name: str, rank: int, modules=("q_proj", "down_proj"), layers=None, seed=0) -> LoraWeights:
     gen = torch.Generator().manual_seed(seed)
     layers = range(SHAPE.num_layers) if layers is None else layers
-    tensors = {(layer, m): (torch.randn(rank, SHAPE.dims[m][0], generator=gen),
-                            torch.randn(SHAPE.dims[m][1], rank, generator=gen)) for layer in layers for m in modules}
+    tensors = {
+        (layer, m): (
+            torch.randn(rank, SHAPE.dims[m][0], generator=gen),
+            torch.randn(SHAPE.dims[m][1], rank, generator=gen),
+        )
+        for layer in layers
+        for m in modules
+    }
     return LoraWeights(name, "v1", AdapterManifest(rank, 0.5 + seed, False, list(modules)), tensors)
 
 
@@ -43,8 +50,11 @@ def test_slots_are_sized_from_a_memory_budget():
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_slots_hold_the_adapters_weights(dtype):
     pool = LoraPool(SHAPE, PoolConfig(num_slots=3, max_rank=16, dtype=dtype))
-    ws = [adapter("full", 16, seed=1), adapter("partial", 4, ("v_proj", "gate_proj"), layers=[0, 2], seed=2),
-          pack(adapter("packed", 8, seed=3), pin=False, dtype=torch.bfloat16)]
+    ws = [
+        adapter("full", 16, seed=1),
+        adapter("partial", 4, ("v_proj", "gate_proj"), layers=[0, 2], seed=2),
+        pack(adapter("packed", 8, seed=3), pin=False, dtype=torch.bfloat16),
+    ]
     slots = [pool.acquire(w) for w in ws]
     assert sorted(slots) == [0, 1, 2]
     for w, slot in zip(ws, slots):

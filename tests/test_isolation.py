@@ -4,6 +4,7 @@ engine, and those 4 end exactly as they do alone; the hostile request gets a 4xx
 error of its own. Then a bounded fuzz of malformed requests over every route: no 5xx,
 every 4xx in OpenAI's shape with nothing internal in it, and afterwards the references
 are unchanged and the replica is empty. One Ray cluster serves the whole module."""
+
 import json
 import random
 import shutil
@@ -44,8 +45,10 @@ pytestmark = pytest.mark.skipif(len(ADAPTERS) < 3, reason="needs the example ada
 
 @pytest.fixture(scope="module")
 def args(tmp_path_factory) -> dict:
-    return config_args(registry_path=str(tmp_path_factory.mktemp("registry") / "adapters.json"),
-                       adapter_roots=[str(EXAMPLE_ADAPTERS), str(tmp_path_factory.getbasetemp())])  # the tests' adapters
+    return config_args(
+        registry_path=str(tmp_path_factory.mktemp("registry") / "adapters.json"),
+        adapter_roots=[str(EXAMPLE_ADAPTERS), str(tmp_path_factory.getbasetemp())],
+    )  # the tests' adapters
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +180,10 @@ _GREEDY: dict[str, str] = {}
 
 def _greedy_equal(http, **fields):
     """A request with these fields answers what the same greedy request answers."""
+
     def run(client):
         return _text(client.post(COMPLETIONS, json=_completion(**fields)))
+
     if not _GREEDY:
         _GREEDY["text"] = _text(http.post(COMPLETIONS, json=_completion(temperature=0)))
     return run, lambda got: got == _GREEDY["text"]
@@ -190,6 +195,7 @@ def _client_error(status: int, *words):
         assert response.status_code == status and set(error) == {"message", "type", "param", "code"}, response.text
         assert "\n" not in error["message"] and all(w in error["message"] for w in words), error
         return True
+
     return check
 
 
@@ -207,6 +213,7 @@ def _stream_error(model: str, *words):
         assert error is not None and error["code"] == "engine_error", error
         assert all(w in error["message"] for w in words), error
         return True
+
     return run, check
 
 
@@ -217,31 +224,70 @@ def _cases(http, dirs) -> dict:
         "temperature-smallest-subnormal": _greedy_equal(http, temperature=5e-324, seed=2),
         "top-p-1e-46": _greedy_equal(http, top_p=1e-46, seed=3),
         "top-p-smallest-subnormal-hot": _greedy_equal(http, top_p=5e-324, temperature=2.0, seed=4),
-        "top-k-beyond-vocab": (lambda c: c.post(COMPLETIONS, json=_completion(top_k=10**15, seed=5)),
-                               lambda r: r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1),
+        "top-k-beyond-vocab": (
+            lambda c: c.post(COMPLETIONS, json=_completion(top_k=10**15, seed=5)),
+            lambda r: r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1,
+        ),
         "every-extreme-with-logprobs": (
-            lambda c: c.post(COMPLETIONS, json=_completion(temperature=1e-300, top_p=1e-300, top_k=2**62,
-                                                           logprobs=20, seed=-(2**63), min_tokens=8)),
-            lambda r: r.status_code == 200 and all(v == v for v in r.json()["choices"][0]["logprobs"]["token_logprobs"])),
-        "nan-adapter": (_post(ADMIN, json={"name": "nan", "path": str(dirs["nan"])}), _client_error(400, "NaN", "lora_B")),
-        "inf-adapter": (_post(ADMIN, json={"name": "inf", "path": str(dirs["inf"])}), _client_error(400, "Inf", "lora_B")),
+            lambda c: c.post(
+                COMPLETIONS,
+                json=_completion(
+                    temperature=1e-300, top_p=1e-300, top_k=2**62, logprobs=20, seed=-(2**63), min_tokens=8
+                ),
+            ),
+            lambda r: (
+                r.status_code == 200 and all(v == v for v in r.json()["choices"][0]["logprobs"]["token_logprobs"])
+            ),
+        ),
+        "nan-adapter": (
+            _post(ADMIN, json={"name": "nan", "path": str(dirs["nan"])}),
+            _client_error(400, "NaN", "lora_B"),
+        ),
+        "inf-adapter": (
+            _post(ADMIN, json={"name": "inf", "path": str(dirs["inf"])}),
+            _client_error(400, "Inf", "lora_B"),
+        ),
         # accepted (its weights are finite) and answers garbage of its own; the others are untouched
-        "overflowing-adapter": (_stream_error(OVERFLOWING)[0], lambda error: error is None or error["code"] == "engine_error"),
+        "overflowing-adapter": (
+            _stream_error(OVERFLOWING)[0],
+            lambda error: error is None or error["code"] == "engine_error",
+        ),
         "adapter-failing-to-load-mid-batch": _stream_error(FLAKY_ADAPTER, "could not be loaded", FLAKY_ADAPTER),
-        "adapter-without-config": (_post(ADMIN, json={"name": "empty", "path": str(dirs["empty"])}),
-                                   _client_error(400, "adapter_roots")),  # the same answer as for no directory
+        "adapter-without-config": (
+            _post(ADMIN, json={"name": "empty", "path": str(dirs["empty"])}),
+            _client_error(400, "adapter_roots"),
+        ),  # the same answer as for no directory
         "path-of-10000-chars": (_post(ADMIN, json={"name": "long", "path": "/" + "a" * 10000}), _client_error(400)),
         "10000-stop-strings": (_post(COMPLETIONS, json=_completion(stop=["x"] * 10000)), _client_error(400, "stop")),
-        "10-mb-body": (_post(CHATS, content=json.dumps({"model": BASE, "messages": [
-            {"role": "user", "content": "a " * 5_000_000}]}).encode(), headers={"content-type": "application/json"}),
-            _client_error(413, "limit")),
+        "10-mb-body": (
+            _post(
+                CHATS,
+                content=json.dumps(
+                    {"model": BASE, "messages": [{"role": "user", "content": "a " * 5_000_000}]}
+                ).encode(),
+                headers={"content-type": "application/json"},
+            ),
+            _client_error(413, "limit"),
+        ),
     }
 
 
-CASE_IDS = ["temperature-1e-38", "temperature-smallest-subnormal", "top-p-1e-46", "top-p-smallest-subnormal-hot",
-            "top-k-beyond-vocab", "every-extreme-with-logprobs", "nan-adapter", "inf-adapter", "overflowing-adapter",
-            "adapter-failing-to-load-mid-batch", "adapter-without-config", "path-of-10000-chars", "10000-stop-strings",
-            "10-mb-body"]
+CASE_IDS = [
+    "temperature-1e-38",
+    "temperature-smallest-subnormal",
+    "top-p-1e-46",
+    "top-p-smallest-subnormal-hot",
+    "top-k-beyond-vocab",
+    "every-extreme-with-logprobs",
+    "nan-adapter",
+    "inf-adapter",
+    "overflowing-adapter",
+    "adapter-failing-to-load-mid-batch",
+    "adapter-without-config",
+    "path-of-10000-chars",
+    "10000-stop-strings",
+    "10-mb-body",
+]
 
 
 def _idle() -> dict | None:
@@ -275,10 +321,12 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(http, server):
     body = {"model": BASE, "prompt": "hello world " * 300_000, "max_tokens": 1}  # 3.6 MB: fails the context check
     done = {}
     with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=server, timeout=120) as big_client:
+
         def big_request():
             r = big_client.post(COMPLETIONS, json=body)
             done["big"] = time.monotonic()
             return r
+
         big = pool.submit(big_request)
         time.sleep(0.5)  # the big body is in
         small = http.post(COMPLETIONS, json=_completion(max_tokens=1))
@@ -289,28 +337,93 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(http, server):
 
 # -- fuzz ------------------------------------------------------------------------------------------
 FUZZ_SEED, FUZZ_COUNT = 20261201, 1000
-_HOSTILE_VALUES = [None, "", "x", "💥" * 50, "\u0000", -1, 0, 1, 2**31, 2**64, -(2**70), 1e308, -1e-308, 0.5, True,
-                   [], [None], [[]], {}, {"a": {"b": [1]}}, "a" * 5000, [1] * 300, ["x"] * 20, [""], "2", "null"]
-_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-           "min_tokens", "n", "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs", "echo",
-           "presence_penalty", "logit_bias", "tools", "response_format", "user", "suffix", "best_of"]
+_HOSTILE_VALUES = [
+    None,
+    "",
+    "x",
+    "💥" * 50,
+    "\u0000",
+    -1,
+    0,
+    1,
+    2**31,
+    2**64,
+    -(2**70),
+    1e308,
+    -1e-308,
+    0.5,
+    True,
+    [],
+    [None],
+    [[]],
+    {},
+    {"a": {"b": [1]}},
+    "a" * 5000,
+    [1] * 300,
+    ["x"] * 20,
+    [""],
+    "2",
+    "null",
+]
+_FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_tokens",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "presence_penalty",
+    "logit_bias",
+    "tools",
+    "response_format",
+    "user",
+    "suffix",
+    "best_of",
+]
 
 
 def _fuzz_body(rng: random.Random, chat: bool):
-    body = ({"model": rng.choice(VICTIMS), "messages": QUESTION, "max_completion_tokens": 2} if chat
-            else _completion(model=rng.choice(VICTIMS), max_tokens=2))
+    body = (
+        {"model": rng.choice(VICTIMS), "messages": QUESTION, "max_completion_tokens": 2}
+        if chat
+        else _completion(model=rng.choice(VICTIMS), max_tokens=2)
+    )
     for _ in range(rng.randint(1, 3)):
         field = rng.choice(_FIELDS)
         if rng.random() < 0.15:
             body.pop(field, None)
         else:
             body[field] = rng.choice(_HOSTILE_VALUES)
-    if chat and not any(isinstance(body.get(k), int) and 0 < body[k] <= 4 for k in ("max_tokens", "max_completion_tokens")):
+    if chat and not any(
+        isinstance(body.get(k), int) and 0 < body[k] <= 4 for k in ("max_tokens", "max_completion_tokens")
+    ):
         body["max_completion_tokens"] = rng.choice([2, 0, -3, "2"])  # a chat without a cap may run to the context
     if rng.random() < 0.25:  # broken bytes instead of JSON
         raw = json.dumps(body).encode()
-        return rng.choice([raw[: rng.randrange(len(raw))], raw + b"}", b"[" * 20000, rng.randbytes(64), b"\xff\xfe" + raw,
-                           b"", b"null", b"1e999999", json.dumps([body]).encode()])
+        return rng.choice(
+            [
+                raw[: rng.randrange(len(raw))],
+                raw + b"}",
+                b"[" * 20000,
+                rng.randbytes(64),
+                b"\xff\xfe" + raw,
+                b"",
+                b"null",
+                b"1e999999",
+                json.dumps([body]).encode(),
+            ]
+        )
     return body
 
 
@@ -323,10 +436,34 @@ def _fuzz_request(rng: random.Random) -> tuple[str, str, dict]:
     if kind < 6:
         return "POST", CHATS, {"json": _fuzz_body(rng, chat=True)}
     if kind == 6:
-        path = rng.choice(["relative/dir", "/", "/nonexistent/" + name, "/" + "b" * rng.choice([300, 5000]), "s3://", "s3://a",
-                           "s3://Bad_Bucket/x/", "s3://ok-bucket/%2e%2e/", "file://", "\u0000", "", 5, None, ["/"]])
-        body = rng.choice([{"name": name, "path": path}, {"name": path, "path": "/"}, {"name": name}, {"path": path},
-                           {"name": name, "path": path, "extra": 1}, [name, path]])
+        path = rng.choice(
+            [
+                "relative/dir",
+                "/",
+                "/nonexistent/" + name,
+                "/" + "b" * rng.choice([300, 5000]),
+                "s3://",
+                "s3://a",
+                "s3://Bad_Bucket/x/",
+                "s3://ok-bucket/%2e%2e/",
+                "file://",
+                "\u0000",
+                "",
+                5,
+                None,
+                ["/"],
+            ]
+        )
+        body = rng.choice(
+            [
+                {"name": name, "path": path},
+                {"name": path, "path": "/"},
+                {"name": name},
+                {"path": path},
+                {"name": name, "path": path, "extra": 1},
+                [name, path],
+            ]
+        )
         return "POST", ADMIN, {"json": body}
     if kind == 7:
         return "DELETE", f"{ADMIN}/{name}", {}
@@ -374,7 +511,9 @@ def test_registered_adapters_list_their_version_and_resolve_by_id(http):
     assert card["id"] == ADAPTERS[0] and card["parent"] == BASE
     from openai import NotFoundError
 
-    client = checked_openai(base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = checked_openai(
+        base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=60
+    )
     assert client.models.retrieve(ADAPTERS[0]).id == ADAPTERS[0]
     with pytest.raises(NotFoundError):
         client.models.retrieve("no-such-model")
@@ -405,4 +544,8 @@ def test_a_registration_survives_an_app_restart(http, args, tmp_path):
     assert http.get(ADMIN).json()["data"] == listed_before
     assert {"tenant-copy", OVERFLOWING, FLAKY_ADAPTER} <= {a["name"] for a in listed_before}
     assert ADAPTERS[2] not in {m["id"] for m in http.get("/v1/models").json()["data"]}
-    assert _text(http.post(COMPLETIONS, json=body)) == before != _text(http.post(COMPLETIONS, json={**body, "model": BASE}))
+    assert (
+        _text(http.post(COMPLETIONS, json=body))
+        == before
+        != _text(http.post(COMPLETIONS, json={**body, "model": BASE}))
+    )

@@ -2,6 +2,7 @@
 whose logits turn non-finite, or whose adapter fails to load into a pool slot, ends
 alone with an ErrorChunk; the requests batched with it finish exactly as they do alone,
 and nothing stays allocated."""
+
 import pytest
 
 from app.engine.config import EngineConfig
@@ -15,19 +16,25 @@ PROMPTS = {"a": [5, 9, 17, 3], "b": [44, 2, 8], "c": [100, 7, 7, 19, 21]}
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
-    return {name: str(make_random_adapter(tiny_model_dir, root / name, rank=4, targets=["q_proj", "down_proj"], seed=i))
-            for i, name in enumerate(["x", "y", "broken"])}
+    return {
+        name: str(make_random_adapter(tiny_model_dir, root / name, rank=4, targets=["q_proj", "down_proj"], seed=i))
+        for i, name in enumerate(["x", "y", "broken"])
+    }
 
 
 def _engine(tiny_model_dir, adapters):
-    return build_engine(tiny_model_dir, EngineConfig(num_kv_blocks=64, block_size=4, max_loras=4), adapters, tokenizer=None)
+    return build_engine(
+        tiny_model_dir, EngineConfig(num_kv_blocks=64, block_size=4, max_loras=4), adapters, tokenizer=None
+    )
 
 
 def _requests(hostile_params: SamplingParams) -> list[GenerateRequest]:
     victim = SamplingParams(max_tokens=8, temperature=0.8, seed=11)
-    return [GenerateRequest("a", tuple(PROMPTS["a"]), victim, "x"),
-            GenerateRequest("b", tuple(PROMPTS["b"]), victim, None),
-            GenerateRequest("c", tuple(PROMPTS["c"]), hostile_params, "broken")]
+    return [
+        GenerateRequest("a", tuple(PROMPTS["a"]), victim, "x"),
+        GenerateRequest("b", tuple(PROMPTS["b"]), victim, None),
+        GenerateRequest("c", tuple(PROMPTS["c"]), hostile_params, "broken"),
+    ]
 
 
 def _run(core, requests) -> dict:
@@ -98,7 +105,13 @@ def test_an_adapter_failing_to_load_ends_only_its_request(tiny_model_dir, adapte
 def test_tiny_temperature_and_top_p_sample_the_greedy_token(tiny_model_dir, adapters):
     core = _engine(tiny_model_dir, adapters)
     greedy = _tokens(_run(core, [GenerateRequest("g", (1, 2, 3), SamplingParams(max_tokens=6, temperature=0))])["g"])
-    for i, params in enumerate([dict(temperature=5e-324), dict(temperature=1e-38, top_k=10**18),
-                                dict(top_p=5e-324, temperature=2.0), dict(top_p=1e-46)]):
+    for i, params in enumerate(
+        [
+            dict(temperature=5e-324),
+            dict(temperature=1e-38, top_k=10**18),
+            dict(top_p=5e-324, temperature=2.0),
+            dict(top_p=1e-46),
+        ]
+    ):
         got = _run(core, [GenerateRequest(f"r{i}", (1, 2, 3), SamplingParams(max_tokens=6, seed=i, **params))])
         assert _tokens(got[f"r{i}"]) == greedy, params

@@ -1,5 +1,6 @@
 """CI (no GPU): every SGMV, paged decode attention and small-op kernel the wrappers can launch compiles
 with NVRTC for sm_80 and sm_90, without spills."""
+
 import multiprocessing
 import os
 import re
@@ -113,7 +114,9 @@ def test_rank_groups_only_for_few_items_and_kernels_ci_compiles():
             grouped = max_rank > 64 and items <= 4 or max_rank > 32 and items <= 4 and tokens >= 8 * items
             assert (groups > 1) == grouped, (max_rank, items, tokens)
             for sliced in (False, True):
-                name = sgmv.kernel_name(sgmv.FUSED, torch.float16, max_rank, tokens, 90, split, warps, sliced, groups)[0]
+                name = sgmv.kernel_name(sgmv.FUSED, torch.float16, max_rank, tokens, 90, split, warps, sliced, groups)[
+                    0
+                ]
                 assert name in compiled
         assert sgmv_shapes.fused_shape(1, 16, max_rank, 80, 108, 16)[2] == 1  # no clusters before sm_90
     for split, groups, max_rank, tokens in ((4, 2, 128, 1), (16, 2, 32, 1), (8, 3, 64, 1), (16, 4, 128, 256)):

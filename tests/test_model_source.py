@@ -3,6 +3,7 @@ fault proxy): the first start downloads (parallel ranged GETs, one per part of a
 and verifies, a restart sends no GET or HEAD for any object, a corrupted object is refused and
 leaves nothing in the cache, and the engine's greedy tokens equal those of the same checkpoint
 loaded from its local (sharded) directory. Also: pickles-only checkpoints are refused."""
+
 import hashlib
 import os
 import random
@@ -71,9 +72,15 @@ def biggest_shard(local: Path) -> Path:
 
 def _multipart(client, bucket: str, key: str, data: bytes) -> None:
     upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-    parts = [{"PartNumber": n, "ETag": client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n,
-                                                           Body=data[start:start + PART])["ETag"]}
-             for n, start in enumerate(range(0, len(data), PART), 1)]
+    parts = [
+        {
+            "PartNumber": n,
+            "ETag": client.upload_part(
+                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=data[start : start + PART]
+            )["ETag"],
+        }
+        for n, start in enumerate(range(0, len(data), PART), 1)
+    ]
     client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
 
 
@@ -85,8 +92,10 @@ def object_requests(s3, bucket: str, prefix: str, method: str, name: str = "") -
 
 
 def greedy(engine, prompts) -> dict[str, list[int]]:
-    reqs = [GenerateRequest(f"p{i}", tuple(p), SamplingParams(max_tokens=24, temperature=0.0)) for i, p in
-            enumerate(prompts)]
+    reqs = [
+        GenerateRequest(f"p{i}", tuple(p), SamplingParams(max_tokens=24, temperature=0.0))
+        for i, p in enumerate(prompts)
+    ]
     tokens, reasons, _ = run_to_completion(engine, {0: reqs})
     assert set(reasons.values()) == {"length"}
     return tokens
@@ -164,12 +173,17 @@ def test_single_part_objects_are_fetched_by_ranges_and_verified(env, sharded, tm
 def test_a_corrupted_download_is_refused_and_nothing_is_cached(env, sharded, tmp_path, which):
     uri = upload(env, f"corrupt-{which}", "tiny", sharded)
     small = min(sorted(sharded.glob("*.safetensors")), key=lambda f: f.stat().st_size)
-    target, why = {"multipart": (biggest_shard(sharded), "multipart ETag mismatch"),
-                   "ranged": (small, "MD5 mismatch"),
-                   # one GET of the whole object: moto sends its CRC32, which boto3 checks first
-                   "single-part": (small, "(MD5 mismatch|Expected checksum .* did not match)")}[which]
-    cfg = S3ModelConfig(S3Config(endpoint_url=env.proxy.url, max_attempts=1), root=tmp_path / "c",
-                        range_bytes=50_000 if which == "ranged" else 64 << 20)
+    target, why = {
+        "multipart": (biggest_shard(sharded), "multipart ETag mismatch"),
+        "ranged": (small, "MD5 mismatch"),
+        # one GET of the whole object: moto sends its CRC32, which boto3 checks first
+        "single-part": (small, "(MD5 mismatch|Expected checksum .* did not match)"),
+    }[which]
+    cfg = S3ModelConfig(
+        S3Config(endpoint_url=env.proxy.url, max_attempts=1),
+        root=tmp_path / "c",
+        range_bytes=50_000 if which == "ranged" else 64 << 20,
+    )
     env.proxy.state.fault = Fault("corrupt", times=1, suffix=target.name)  # one byte flipped in transit
     with pytest.raises(ModelSourceError, match=f"{target.name} failed verification: {why}.*nothing was cached"):
         fetch_checkpoint(uri, cfg=cfg)
@@ -179,8 +193,9 @@ def test_a_corrupted_download_is_refused_and_nothing_is_cached(env, sharded, tmp
 
 
 def test_an_object_corrupted_at_rest_is_refused_by_the_sha256_manifest(env, sharded):
-    manifest = "".join(f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.name}\n"
-                       for f in sorted(sharded.iterdir()) if f.is_file())
+    manifest = "".join(
+        f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.name}\n" for f in sorted(sharded.iterdir()) if f.is_file()
+    )
     uri = upload(env, "at-rest", "tiny", sharded, {"SHA256SUMS": manifest.encode()})
     shard = min(sharded.glob("*.safetensors"), key=lambda f: f.stat().st_size)
     data = bytearray(shard.read_bytes())
@@ -207,8 +222,11 @@ def test_checkpoints_that_are_no_safetensors_checkpoint_are_refused(env, tmp_pat
     env.bucket("refused")
     env.client.put_object(Bucket="refused", Key="pickled/config.json", Body=(sharded / "config.json").read_bytes())
     env.client.put_object(Bucket="refused", Key="pickled/pytorch_model.bin", Body=b"\x80\x02")
-    with pytest.raises(ModelSourceError, match="no \\*.safetensors weights at s3://refused/pickled/; "
-                                               "pytorch_model.bin is a PyTorch pickle, which is never loaded"):
+    with pytest.raises(
+        ModelSourceError,
+        match="no \\*.safetensors weights at s3://refused/pickled/; "
+        "pytorch_model.bin is a PyTorch pickle, which is never loaded",
+    ):
         resolve_model("s3://refused/pickled/")
     with pytest.raises(ModelSourceError, match="no HF checkpoint at s3://refused/empty/: config.json not found"):
         resolve_model("s3://refused/empty/")

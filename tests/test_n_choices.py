@@ -6,6 +6,7 @@ prefill, a batch too small for all choices, preemption and aborts, leaking no bl
 Engines compute in float64: a forked choice recomputes its prompt's last block as a prefill of its
 own, another batch shape than the solo run's, and fp32 rounding could move a sampled draw across a
 token boundary (see tests/test_stream_coalescing.py)."""
+
 import asyncio
 import random
 
@@ -23,13 +24,23 @@ BS = 4
 
 @pytest.fixture(scope="module")
 def adapter_dir(tiny_model_dir, tmp_path_factory):
-    return make_random_adapter(tiny_model_dir, tmp_path_factory.mktemp("nc") / "a1", rank=8,
-                               targets=["q_proj", "v_proj", "down_proj"], seed=5)
+    return make_random_adapter(
+        tiny_model_dir, tmp_path_factory.mktemp("nc") / "a1", rank=8, targets=["q_proj", "v_proj", "down_proj"], seed=5
+    )
 
 
 def _engine(model, adapter_dir, **kw):
-    cfg = EngineConfig(**{"max_lora_rank": 8, "max_loras": 2, "block_size": BS, "num_kv_blocks": 128,
-                          "max_tokens_per_step": 256, "dtype": torch.float64, **kw})
+    cfg = EngineConfig(
+        **{
+            "max_lora_rank": 8,
+            "max_loras": 2,
+            "block_size": BS,
+            "num_kv_blocks": 128,
+            "max_tokens_per_step": 256,
+            "dtype": torch.float64,
+            **kw,
+        }
+    )
     return build_engine(model, cfg, {"a1": str(adapter_dir)}, tokenizer=None)
 
 
@@ -171,15 +182,25 @@ def test_async_engine_streams_every_choice_once(tiny_model_dir, adapter_dir):
 
 
 def test_choice_seeds_and_per_choice_coalescing():
-    assert choice_seed(5, 3) == 8 and choice_seed(2**63 - 1, 1) == -2**63  # still a seed the API accepts
+    assert choice_seed(5, 3) == 8 and choice_seed(2**63 - 1, 1) == -(2**63)  # still a seed the API accepts
     r = GenerateRequest("r", (1, 2), SamplingParams(seed=2**63 - 2), n=3)
-    assert [c.params.seed for c in map(r.choice, range(3))] == [2**63 - 2, 2**63 - 1, -2**63]
-    assert r.resumed(Migrate("r", (1, 2), (9,), 77, "kv_cache_exhausted", 2)) == \
-        GenerateRequest("r", (1, 2), SamplingParams(seed=77), resume_token_ids=(9,), n=1, index=2)
-    chunks = [TokenChunk("r", (1,), "a", index=0), TokenChunk("r", (2,), "b", index=1),
-              TokenChunk("r", (3,), "c", index=0), Migrate("r", (), (2,), 1, "kv_cache_exhausted", 1),
-              TokenChunk("r", (4,), "d", finish_reason="stop", index=0), TokenChunk("r", (5,), "e", index=2)]
+    assert [c.params.seed for c in map(r.choice, range(3))] == [2**63 - 2, 2**63 - 1, -(2**63)]
+    assert r.resumed(Migrate("r", (1, 2), (9,), 77, "kv_cache_exhausted", 2)) == GenerateRequest(
+        "r", (1, 2), SamplingParams(seed=77), resume_token_ids=(9,), n=1, index=2
+    )
+    chunks = [
+        TokenChunk("r", (1,), "a", index=0),
+        TokenChunk("r", (2,), "b", index=1),
+        TokenChunk("r", (3,), "c", index=0),
+        Migrate("r", (), (2,), 1, "kv_cache_exhausted", 1),
+        TokenChunk("r", (4,), "d", finish_reason="stop", index=0),
+        TokenChunk("r", (5,), "e", index=2),
+    ]
     merged = coalesce(chunks)
-    assert [(c.index, getattr(c, "token_ids", None)) for c in merged] == \
-        [(0, (1, 3, 4)), (1, (2,)), (1, None), (2, (5,))]
+    assert [(c.index, getattr(c, "token_ids", None)) for c in merged] == [
+        (0, (1, 3, 4)),
+        (1, (2,)),
+        (1, None),
+        (2, (5,)),
+    ]
     assert merged[0].finish_reason == "stop"

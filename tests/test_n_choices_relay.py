@@ -2,6 +2,7 @@
 moves alone (its own request: index, seed, relayed tokens) and ends exactly once; the OpenAI shapes
 (choices with their index, interleaved stream chunks, usage counting every choice and the prompt
 once, best_of ranking by cumulative logprob) and the request validation of n and best_of."""
+
 import asyncio
 import json
 import random
@@ -78,11 +79,23 @@ def _by_choice(chunks):
 
 
 def test_a_migrating_choice_moves_alone_with_its_seed_and_tokens():
-    chunks, submitted, scripts = _run([
-        _Script([Accepted("A"), _tok(0, 10), _tok(1, 20), _tok(2, 30), _tok(1, 21),
-                 Migrate("r", (1, 2, 3), (20, 21), 0, "kv_cache_exhausted", 1),
-                 _tok(0, 11, "stop"), _tok(2, 31, "length")]),
-        _Script([Accepted("B"), _tok(1, 22), _tok(1, 23, "length")])])
+    chunks, submitted, scripts = _run(
+        [
+            _Script(
+                [
+                    Accepted("A"),
+                    _tok(0, 10),
+                    _tok(1, 20),
+                    _tok(2, 30),
+                    _tok(1, 21),
+                    Migrate("r", (1, 2, 3), (20, 21), 0, "kv_cache_exhausted", 1),
+                    _tok(0, 11, "stop"),
+                    _tok(2, 31, "length"),
+                ]
+            ),
+            _Script([Accepted("B"), _tok(1, 22), _tok(1, 23, "length")]),
+        ]
+    )
     assert _by_choice(chunks) == {0: [10, 11], 1: [20, 21, 22, 23], 2: [30, 31]}
     assert sorted(c.index for c in chunks if c.finish_reason) == [0, 1, 2]  # each choice ends once
     group, moved = submitted
@@ -92,10 +105,13 @@ def test_a_migrating_choice_moves_alone_with_its_seed_and_tokens():
 
 
 def test_a_failed_replica_moves_every_unfinished_choice_alone():
-    chunks, submitted, _ = _run([
-        _Script([Accepted("A"), _tok(0, 10), _tok(2, 30, "stop"), _tok(1, 20), ActorDiedError()]),
-        _Script([Accepted("B"), _tok(0, 11, "length")]),
-        _Script([Accepted("C"), _tok(1, 21, "length")])])
+    chunks, submitted, _ = _run(
+        [
+            _Script([Accepted("A"), _tok(0, 10), _tok(2, 30, "stop"), _tok(1, 20), ActorDiedError()]),
+            _Script([Accepted("B"), _tok(0, 11, "length")]),
+            _Script([Accepted("C"), _tok(1, 21, "length")]),
+        ]
+    )
     assert _by_choice(chunks) == {0: [10, 11], 1: [20, 21], 2: [30]}
     moved = sorted(submitted[1:], key=lambda r: r.index)
     assert [(r.index, r.resume_token_ids, r.avoid_replicas) for r in moved] == [(0, (10,), ("A",)), (1, (20,), ("A",))]
@@ -130,23 +146,45 @@ class _Tok:
 
 def test_stream_and_response_shapes():
     fmt = Formatter("chatcmpl-1", "m", _Tok(), chat=True, want_logprobs=False, n=2)
-    chunks = [_tok(1, 5), _tok(0, 6), TokenChunk("r", (7,), "<7>", None, "stop", 3, 2, 1),
-              TokenChunk("r", (8,), "<8>", None, "length", 3, 4, 0)]
+    chunks = [
+        _tok(1, 5),
+        _tok(0, 6),
+        TokenChunk("r", (7,), "<7>", None, "stop", 3, 2, 1),
+        TokenChunk("r", (8,), "<8>", None, "length", 3, 4, 0),
+    ]
     events = _stream_events(fmt, chunks)
     assert [e["choices"][0]["index"] for e in events[:2]] == [0, 1]  # the role opens each choice
     assert all(e["choices"][0]["delta"]["role"] == "assistant" for e in events[:2])
-    assert [(e["choices"][0]["index"], e["choices"][0]["delta"]["content"]) for e in events[2:6]] == \
-        [(1, "<5>"), (0, "<6>"), (1, "<7>"), (0, "<8>")]
-    assert events[-1]["choices"] == [] and events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 6,
-                                                                   "total_tokens": 9}
+    assert [(e["choices"][0]["index"], e["choices"][0]["delta"]["content"]) for e in events[2:6]] == [
+        (1, "<5>"),
+        (0, "<6>"),
+        (1, "<7>"),
+        (0, "<8>"),
+    ]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 6,
+        "total_tokens": 9,
+    }
     assert len(events) == 7  # one usage chunk, after the last choice ended
 
 
 def test_best_of_returns_the_highest_cumulative_logprobs_and_counts_every_token():
     rng = random.Random()
     logprobs = [[-rng.random() * 3 for _ in range(rng.randint(1, 4))] for _ in range(5)]
-    chunks = [TokenChunk("r", (i,), f"<{i}>", tuple({"token_id": i, "logprob": lp, "top": ()} for lp in lps),
-                         "length", 3, len(lps), i) for i, lps in enumerate(logprobs)]
+    chunks = [
+        TokenChunk(
+            "r",
+            (i,),
+            f"<{i}>",
+            tuple({"token_id": i, "logprob": lp, "top": ()} for lp in lps),
+            "length",
+            3,
+            len(lps),
+            i,
+        )
+        for i, lps in enumerate(logprobs)
+    ]
 
     class _Stream:
         async def chunks(self):
@@ -161,12 +199,15 @@ def test_best_of_returns_the_highest_cumulative_logprobs_and_counts_every_token(
     assert body["usage"]["completion_tokens"] == sum(map(len, logprobs)) and body["usage"]["prompt_tokens"] == 3
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"n": 0}, "greater than or equal to 1"),
-    ({"n": 17}, "less than or equal to 16"),
-    ({"n": 3, "best_of": 2}, "best_of (2) must be >= n (3)"),
-    ({"n": 2, "best_of": 3, "stream": True}, "best_of > n cannot be streamed"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"n": 0}, "greater than or equal to 1"),
+        ({"n": 17}, "less than or equal to 16"),
+        ({"n": 3, "best_of": 2}, "best_of (2) must be >= n (3)"),
+        ({"n": 2, "best_of": 3, "stream": True}, "best_of > n cannot be streamed"),
+    ],
+)
 def test_n_and_best_of_are_validated(fields, message):
     raw = json.dumps({"model": "m", "prompt": "hi", **fields}).encode()
     with pytest.raises(RequestValidationError) as err:
@@ -217,8 +258,14 @@ def test_choices_moved_by_the_ingress_equal_their_seeds_alone(tiny_model_dir):
         return build_engine(tiny_model_dir, cfg, {}, tokenizer=None)
 
     rng = random.Random()
-    request = with_fixed_seed(GenerateRequest("r", tuple(rng.randrange(320) for _ in range(17)),
-                                              SamplingParams(max_tokens=20, min_tokens=20, temperature=0.9), n=3))
+    request = with_fixed_seed(
+        GenerateRequest(
+            "r",
+            tuple(rng.randrange(320) for _ in range(17)),
+            SamplingParams(max_tokens=20, min_tokens=20, temperature=0.9),
+            n=3,
+        )
+    )
     small = AsyncEngine(engine(17), migrate_locally=False)
     submitted = []
 

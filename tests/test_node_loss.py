@@ -4,6 +4,7 @@ the head as the shipped config places them, one LoraReplica on each worker. With
 streams running, the worker holding the replica that serves them is removed; every
 stream ends with `[DONE]` and equals the same stream on the intact cluster, and a new
 request right after succeeds."""
+
 import functools
 
 import httpx
@@ -36,10 +37,19 @@ def cluster(tmp_path_factory):
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        args = config_args(model=str(model), max_model_len=256, adapter_dirs=[], max_batch_size=STREAMS,
-                           replica={"num_replicas": 2, "ray_actor_options": {"num_cpus": 0, "resources": {SLOT: 1}}},
-                           cluster={"failover_wait_s": 120})
-        serve.run(app_from_args(args, engine_factory=functools.partial(slowed_engine, delay_s=0.1)), name=APP, route_prefix="/")
+        args = config_args(
+            model=str(model),
+            max_model_len=256,
+            adapter_dirs=[],
+            max_batch_size=STREAMS,
+            replica={"num_replicas": 2, "ray_actor_options": {"num_cpus": 0, "resources": {SLOT: 1}}},
+            cluster={"failover_wait_s": 120},
+        )
+        serve.run(
+            app_from_args(args, engine_factory=functools.partial(slowed_engine, delay_s=0.1)),
+            name=APP,
+            route_prefix="/",
+        )
         yield {"cluster": cluster, "workers": workers, "url": f"http://127.0.0.1:{port}"}
     finally:
         serve.shutdown()
@@ -48,8 +58,10 @@ def cluster(tmp_path_factory):
 
 
 def _node_of(replica_id):
-    return ray.get(replica_actor(APP, replica_id).__ray_call__.remote(
-        lambda self: ray.get_runtime_context().get_node_id()), timeout=60)
+    return ray.get(
+        replica_actor(APP, replica_id).__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()),
+        timeout=60,
+    )
 
 
 def test_a_worker_lost_mid_stream_loses_no_stream(cluster):
@@ -68,5 +80,7 @@ def test_a_worker_lost_mid_stream_loses_no_stream(cluster):
     for r, ref in zip(finish(threads, results), references):
         assert r["events"][-1:] == ["[DONE]"] and not errors(r), r["events"][-3:]
         assert r["text"] == ref["text"]
-    fresh = httpx.post(f"{url}/v1/completions", json={"model": "model", "prompt": "Hello", "max_tokens": 4}, timeout=300)
+    fresh = httpx.post(
+        f"{url}/v1/completions", json={"model": "model", "prompt": "Hello", "max_tokens": 4}, timeout=300
+    )
     assert fresh.status_code == 200, fresh.text

@@ -3,6 +3,7 @@ reference: CUDA's threads, warp shuffles, the m16n8k16 MMA and cp.async stand in
 (tests/cpu_cuda/). CI has no GPU; this checks the kernel's fragment layouts, online softmax,
 splits merged by the last block, windows and soft-capping, with copies landing at their wait or
 at once. tests/gpu/test_paged_attention_gpu.py checks the same on the device."""
+
 import ctypes
 import pathlib
 import shutil
@@ -23,8 +24,13 @@ def lib(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cpu_cuda")
     for f in [ROOT / "ops/kernels/attention.cu", *(ROOT / "tests/cpu_cuda").iterdir()]:
         shutil.copy(f, tmp)  # the stand-in headers shadow kernels/'s, which attention.cu includes by ""
-    build = subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-o", "decode.so", "decode_driver.cpp"],
-                           cwd=tmp, capture_output=True, text=True, check=False)
+    build = subprocess.run(
+        ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-o", "decode.so", "decode_driver.cpp"],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert build.returncode == 0, build.stderr
     return ctypes.CDLL(str(tmp / "decode.so"))
 
@@ -74,11 +80,27 @@ def _run(lib, dtype, d, group, lens, splits, config, bs=16, window=None, softcap
     part_ml = torch.full((len(lens) * heads * splits * 2,), float("nan"))
     counters = torch.zeros(len(lens) * kv_heads, dtype=torch.int32)
     args = pd._DecodeArgs(
-        q=q.data_ptr(), out=out.data_ptr(), k_cache=k.data_ptr(), v_cache=v.data_ptr(), block_tables=tables.data_ptr(),
-        context_lens=ctx.data_ptr(), part_acc=part_acc.data_ptr(), part_ml=part_ml.data_ptr(),
-        counters=counters.data_ptr(), q_stride=q.stride(0), out_stride=out.stride(0), table_stride=tables.stride(0),
-        heads=heads, kv_heads=kv_heads, group=group, block_size=bs, splits=splits, scale=d**-0.5, window=window or 0,
-        softcap=softcap or 0.0)
+        q=q.data_ptr(),
+        out=out.data_ptr(),
+        k_cache=k.data_ptr(),
+        v_cache=v.data_ptr(),
+        block_tables=tables.data_ptr(),
+        context_lens=ctx.data_ptr(),
+        part_acc=part_acc.data_ptr(),
+        part_ml=part_ml.data_ptr(),
+        counters=counters.data_ptr(),
+        q_stride=q.stride(0),
+        out_stride=out.stride(0),
+        table_stride=tables.stride(0),
+        heads=heads,
+        kv_heads=kv_heads,
+        group=group,
+        block_size=bs,
+        splits=splits,
+        scale=d**-0.5,
+        window=window or 0,
+        softcap=softcap or 0.0,
+    )
     assert lib.run(ctypes.byref(args), len(lens), int(dtype == torch.bfloat16), d, *config, int(defer), seed) == 0
     assert counters.eq(0).all()  # the last split of each pair reset its counter
     return out, _reference(q, k, v, tables, lens, d**-0.5, window, softcap)
@@ -87,15 +109,19 @@ def _run(lib, dtype, d, group, lens, splits, config, bs=16, window=None, softcap
 LENS = [1, 15, 16, 17, 33, 130, 0, 257]  # partial tiles, one of each page size, a padding row
 
 
-@pytest.mark.parametrize("dtype, d, group, splits, bs, window, softcap, defer", [
-    (torch.float16, 128, 4, 1, 16, None, None, True),
-    (torch.bfloat16, 128, 8, 3, 32, None, None, False),
-    (torch.float16, 96, 1, 2, 16, 40, None, True),       # Phi-3: the last V round half empty
-    (torch.bfloat16, 256, 2, 2, 16, 40, 3.0, True),      # Gemma 2: window and soft-cap
-    (torch.float16, 256, 8, 5, 32, None, 2.0, False),
-    (torch.bfloat16, 64, 3, 1, 16, 100, None, False),
-    (torch.float16, 64, 7, 4, 16, None, None, True),
-], ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize(
+    "dtype, d, group, splits, bs, window, softcap, defer",
+    [
+        (torch.float16, 128, 4, 1, 16, None, None, True),
+        (torch.bfloat16, 128, 8, 3, 32, None, None, False),
+        (torch.float16, 96, 1, 2, 16, 40, None, True),  # Phi-3: the last V round half empty
+        (torch.bfloat16, 256, 2, 2, 16, 40, 3.0, True),  # Gemma 2: window and soft-cap
+        (torch.float16, 256, 8, 5, 32, None, 2.0, False),
+        (torch.bfloat16, 64, 3, 1, 16, 100, None, False),
+        (torch.float16, 64, 7, 4, 16, None, None, True),
+    ],
+    ids=lambda v: str(v).replace("torch.", ""),
+)
 def test_kernel_source_matches_fp32(lib, dtype, d, group, splits, bs, window, softcap, defer):
     config = (pd.WARPS, pd.stages(d, 90))
     out, ref = _run(lib, dtype, d, group, LENS, splits, config, bs, window, softcap, defer, seed=d + group)

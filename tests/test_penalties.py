@@ -10,6 +10,7 @@
 3. The HTTP boundary: out-of-range values are 400s in OpenAI's shape with a one-line reason naming the
    field; a token id outside the vocabulary is a 400 naming the id.
 """
+
 import dataclasses
 import math
 import random
@@ -59,11 +60,17 @@ def _random_params(rng: random.Random, greedy: bool) -> SamplingParams:
     bias = kind in (2, 3, 4)
     ids = rng.sample(range(VOCAB), rng.randint(1, 12))
     return SamplingParams(
-        max_tokens=64, temperature=0.0 if greedy else rng.choice([0.3, 1.0, 1.7]), top_p=rng.choice([1.0, 0.9]),
-        seed=rng.randrange(1 << 30), min_tokens=64 if kind == 4 else 0, stop_token_ids=(3, 9) if kind == 4 else (),
-        presence_penalty=rng.uniform(-2, 2) if pen else 0.0, frequency_penalty=rng.uniform(-2, 2) if pen else 0.0,
+        max_tokens=64,
+        temperature=0.0 if greedy else rng.choice([0.3, 1.0, 1.7]),
+        top_p=rng.choice([1.0, 0.9]),
+        seed=rng.randrange(1 << 30),
+        min_tokens=64 if kind == 4 else 0,
+        stop_token_ids=(3, 9) if kind == 4 else (),
+        presence_penalty=rng.uniform(-2, 2) if pen else 0.0,
+        frequency_penalty=rng.uniform(-2, 2) if pen else 0.0,
         repetition_penalty=rng.choice([1.0, 0.5, 0.83, 1.3, 2.0]) if pen else 1.0,
-        logit_bias=tuple((t, rng.choice([100.0, -100.0, rng.uniform(-5, 5)])) for t in ids) if bias else ())
+        logit_bias=tuple((t, rng.choice([100.0, -100.0, rng.uniform(-5, 5)])) for t in ids) if bias else (),
+    )
 
 
 def _history(rng: random.Random, few: list[int], length: int) -> list[int]:
@@ -159,16 +166,38 @@ def _alone(model_dir, request):
 def test_penalised_biased_and_plain_requests_in_one_batch_equal_their_solo_runs(tiny_model_dir):
     rng = random.Random(11)
     requests = [
-        GenerateRequest("pen", PROMPT, SamplingParams(max_tokens=12, temperature=0.9, seed=4, presence_penalty=1.5,
-                                                      frequency_penalty=0.7, repetition_penalty=1.4)),
-        GenerateRequest("pen-greedy", PROMPT, SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=-1.0,
-                                                             repetition_penalty=0.7)),
-        GenerateRequest("bias", PROMPT, SamplingParams(max_tokens=12, temperature=0.0, logit_bias=((5, 3.0), (17, -100.0)))),
+        GenerateRequest(
+            "pen",
+            PROMPT,
+            SamplingParams(
+                max_tokens=12,
+                temperature=0.9,
+                seed=4,
+                presence_penalty=1.5,
+                frequency_penalty=0.7,
+                repetition_penalty=1.4,
+            ),
+        ),
+        GenerateRequest(
+            "pen-greedy",
+            PROMPT,
+            SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=-1.0, repetition_penalty=0.7),
+        ),
+        GenerateRequest(
+            "bias", PROMPT, SamplingParams(max_tokens=12, temperature=0.0, logit_bias=((5, 3.0), (17, -100.0)))
+        ),
         GenerateRequest("plain", PROMPT, SamplingParams(max_tokens=12, temperature=0.9, seed=4)),
     ]
-    others = [GenerateRequest(f"o{i}", tuple(rng.randrange(320) for _ in range(rng.randint(2, 20))),
-                              SamplingParams(max_tokens=10, temperature=rng.choice([0.0, 1.0]), seed=i,
-                                             presence_penalty=rng.choice([0.0, 2.0]))) for i in range(6)]
+    others = [
+        GenerateRequest(
+            f"o{i}",
+            tuple(rng.randrange(320) for _ in range(rng.randint(2, 20))),
+            SamplingParams(
+                max_tokens=10, temperature=rng.choice([0.0, 1.0]), seed=i, presence_penalty=rng.choice([0.0, 2.0])
+            ),
+        )
+        for i in range(6)
+    ]
     engine = _engine(tiny_model_dir)
     batched = run_to_completion(engine, {0: requests[:2] + others[:3], 2: requests[2:] + others[3:]})[0]
     assert engine.max_batch_seen >= 8
@@ -185,6 +214,7 @@ def _hf_logits(model_dir):
     def logits(ids):
         with torch.no_grad():
             return model(torch.tensor([ids])).logits[0, -1]
+
     return logits
 
 
@@ -192,8 +222,11 @@ def test_penalised_greedy_tokens_are_the_reference_argmax_at_every_step(tiny_mod
     hf = _hf_logits(tiny_model_dir)
     plain = SamplingParams(max_tokens=16, temperature=0.0)
     free = _alone(tiny_model_dir, GenerateRequest("free", PROMPT, plain))
-    for penalties in ({"frequency_penalty": 2.0, "presence_penalty": 2.0}, {"repetition_penalty": 3.0},
-                      {"repetition_penalty": 0.4, "presence_penalty": -2.0}):
+    for penalties in (
+        {"frequency_penalty": 2.0, "presence_penalty": 2.0},
+        {"repetition_penalty": 3.0},
+        {"repetition_penalty": 0.4, "presence_penalty": -2.0},
+    ):
         params = dataclasses.replace(plain, **penalties)
         got = _alone(tiny_model_dir, GenerateRequest("p", PROMPT, params))
         seq = Sequence(GenerateRequest("ref", PROMPT, params), 0, 0)
@@ -218,10 +251,14 @@ def test_logit_bias_forces_and_forbids_tokens_under_greedy(tiny_model_dir):
     plain = SamplingParams(max_tokens=12, temperature=0.0)
     free = _alone(tiny_model_dir, GenerateRequest("free", PROMPT, plain))
     forced = next(t for t in range(320) if t not in free)
-    assert _alone(tiny_model_dir, GenerateRequest("f", PROMPT, dataclasses.replace(
-        plain, logit_bias=((forced, 100.0),)))) == [forced] * 12
-    banned = _alone(tiny_model_dir, GenerateRequest("b", PROMPT, dataclasses.replace(
-        plain, logit_bias=tuple((t, -100.0) for t in set(free)))))
+    assert (
+        _alone(tiny_model_dir, GenerateRequest("f", PROMPT, dataclasses.replace(plain, logit_bias=((forced, 100.0),))))
+        == [forced] * 12
+    )
+    banned = _alone(
+        tiny_model_dir,
+        GenerateRequest("b", PROMPT, dataclasses.replace(plain, logit_bias=tuple((t, -100.0) for t in set(free)))),
+    )
     assert not set(banned) & set(free)
     with pytest.raises(InvalidRequestError, match="token id 320"):
         _engine(tiny_model_dir).add(GenerateRequest("v", PROMPT, dataclasses.replace(plain, logit_bias=((320, 1.0),))))
@@ -230,12 +267,16 @@ def test_logit_bias_forces_and_forbids_tokens_under_greedy(tiny_model_dir):
 def test_penalised_steps_launched_ahead_draw_what_steps_run_in_turn_do(tiny_model_dir):
     """Launched ahead, a penalised row counts the token it gains from the device (out.drawn.tokens)."""
     rng = random.Random(8)
-    kinds = [SamplingParams(max_tokens=14, temperature=0.0, frequency_penalty=2.0, presence_penalty=1.0),
-             SamplingParams(max_tokens=14, temperature=0.0, repetition_penalty=0.3, presence_penalty=-2.0),
-             SamplingParams(max_tokens=14, temperature=0.9, seed=3, repetition_penalty=1.8, logit_bias=((4, 2.0),)),
-             SamplingParams(max_tokens=14, temperature=0.0)]
-    requests = [GenerateRequest(f"a{i}", tuple(rng.randrange(320) for _ in range(rng.randint(2, 12))),
-                                kinds[i % len(kinds)]) for i in range(8)]
+    kinds = [
+        SamplingParams(max_tokens=14, temperature=0.0, frequency_penalty=2.0, presence_penalty=1.0),
+        SamplingParams(max_tokens=14, temperature=0.0, repetition_penalty=0.3, presence_penalty=-2.0),
+        SamplingParams(max_tokens=14, temperature=0.9, seed=3, repetition_penalty=1.8, logit_bias=((4, 2.0),)),
+        SamplingParams(max_tokens=14, temperature=0.0),
+    ]
+    requests = [
+        GenerateRequest(f"a{i}", tuple(rng.randrange(320) for _ in range(rng.randint(2, 12))), kinds[i % len(kinds)])
+        for i in range(8)
+    ]
     out = {}
     for ahead in (True, False):
         engine = _engine(tiny_model_dir, max_num_seqs=8)
@@ -258,18 +299,30 @@ def _client() -> TestClient:
         body = await http_errors.parse_body(request, model)
         params = body.sampling(4, 100, 16, None)
         params.check_vocabulary(VOCAB)  # what the engine checks when the request is added
-        return {k: getattr(params, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")} | \
-            {"logit_bias": [list(p) for p in params.logit_bias]}
+        return {k: getattr(params, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")} | {
+            "logit_bias": [list(p) for p in params.logit_bias]
+        }
+
     return TestClient(app)
 
 
-BODIES = {"completions": {"model": "m", "prompt": "p"}, "chat": {"model": "m", "messages": [{"role": "user", "content": "x"}]}}
-BAD = [({"presence_penalty": 2.01}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
-       ({"presence_penalty": "1"}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
-       ({"repetition_penalty": -1.0}, "repetition_penalty"), ({"logit_bias": {"5": 100.5}}, "logit_bias"),
-       ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
-       ({"logit_bias": {"7": 1, "007": 2}}, "logit_bias"), ({"logit_bias": [1, 2]}, "logit_bias"),
-       ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias")]
+BODIES = {
+    "completions": {"model": "m", "prompt": "p"},
+    "chat": {"model": "m", "messages": [{"role": "user", "content": "x"}]},
+}
+BAD = [
+    ({"presence_penalty": 2.01}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"presence_penalty": "1"}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"7": 1, "007": 2}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+]
 
 
 @pytest.mark.parametrize("kind", list(BODIES))
@@ -287,18 +340,34 @@ def test_out_of_range_values_are_400s_naming_the_field(kind):
 
 @pytest.mark.parametrize("kind", list(BODIES))
 def test_valid_values_reach_the_sampling_parameters(kind):
-    body = BODIES[kind] | {"presence_penalty": -2, "frequency_penalty": 1.5, "repetition_penalty": 1.2,
-                           "logit_bias": {"12": 100, "0": -100, "299": 0.5}}
+    body = BODIES[kind] | {
+        "presence_penalty": -2,
+        "frequency_penalty": 1.5,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"12": 100, "0": -100, "299": 0.5},
+    }
     got = _client().post(f"/{kind}", json=body).json()
-    assert got == {"presence_penalty": -2.0, "frequency_penalty": 1.5, "repetition_penalty": 1.2,
-                   "logit_bias": [[12, 100.0], [0, -100.0], [299, 0.5]]}
-    nulls = _client().post(f"/{kind}", json=BODIES[kind] | {"presence_penalty": None, "repetition_penalty": None}).json()
+    assert got == {
+        "presence_penalty": -2.0,
+        "frequency_penalty": 1.5,
+        "repetition_penalty": 1.2,
+        "logit_bias": [[12, 100.0], [0, -100.0], [299, 0.5]],
+    }
+    nulls = (
+        _client().post(f"/{kind}", json=BODIES[kind] | {"presence_penalty": None, "repetition_penalty": None}).json()
+    )
     assert nulls == {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": []}
 
 
 def test_sampling_params_refuse_what_the_api_would():
-    for fields in ({"presence_penalty": 3.0}, {"frequency_penalty": math.nan}, {"repetition_penalty": 0.0},
-                   {"repetition_penalty": math.inf}, {"logit_bias": ((1, 101.0),)}, {"logit_bias": ((-1, 1.0),)},
-                   {"logit_bias": ((1, 1.0), (1, 2.0))}):
+    for fields in (
+        {"presence_penalty": 3.0},
+        {"frequency_penalty": math.nan},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": math.inf},
+        {"logit_bias": ((1, 101.0),)},
+        {"logit_bias": ((-1, 1.0),)},
+        {"logit_bias": ((1, 1.0), (1, 2.0))},
+    ):
         with pytest.raises(InvalidRequestError):
             SamplingParams(**fields)

@@ -2,6 +2,7 @@
 and seeded sampling), no sharing across adapters, the base model or adapter versions, a prompt
 ending on a block boundary, preempted requests that come back, and cached blocks evicted before
 any request is preempted."""
+
 import random
 
 import pytest
@@ -20,13 +21,26 @@ PARAMS = pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "see
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("pc-adapters")
-    return {name: make_random_adapter(tiny_model_dir, root / name, rank=8, targets=["q_proj", "k_proj", "v_proj", "down_proj"],
-                                      seed=i + 10) for i, name in enumerate(("a1", "a2", "a1-v2"))}
+    return {
+        name: make_random_adapter(
+            tiny_model_dir, root / name, rank=8, targets=["q_proj", "k_proj", "v_proj", "down_proj"], seed=i + 10
+        )
+        for i, name in enumerate(("a1", "a2", "a1-v2"))
+    }
 
 
 def _engine(model, adapters, cache=True, **kw):
-    cfg = EngineConfig(**{"max_lora_rank": 8, "max_loras": 3, "block_size": BS, "num_kv_blocks": 128,
-                          "max_tokens_per_step": 64, "prefix_caching": cache, **kw})
+    cfg = EngineConfig(
+        **{
+            "max_lora_rank": 8,
+            "max_loras": 3,
+            "block_size": BS,
+            "num_kv_blocks": 128,
+            "max_tokens_per_step": 64,
+            "prefix_caching": cache,
+            **kw,
+        }
+    )
     return build_engine(model, cfg, {n: str(adapters[n]) for n in ("a1", "a2")}, tokenizer=None)
 
 
@@ -42,8 +56,10 @@ def _hits(engine, adapter=""):
 def test_shared_system_prompt_of_one_adapter(tiny_model_dir, adapters, params):
     rng = random.Random(0)
     system = _tokens(rng, 22)
-    jobs = {k: [GenerateRequest(f"q{k}", tuple(system + _tokens(rng, rng.randint(1, 9))), params, "a1")]
-            for k in (0, 2, 3, 9, 10)}
+    jobs = {
+        k: [GenerateRequest(f"q{k}", tuple(system + _tokens(rng, rng.randint(1, 9))), params, "a1")]
+        for k in (0, 2, 3, 9, 10)
+    }
     off = _engine(tiny_model_dir, adapters, cache=False)
     on = _engine(tiny_model_dir, adapters)
     expected, _, _ = run_to_completion(off, jobs)
@@ -89,8 +105,12 @@ def test_adapter_re_registered_with_new_weights_shares_nothing_with_the_old(tiny
 
 def test_prompt_ending_on_a_block_boundary_computes_its_last_block(tiny_model_dir, adapters):
     prompt = tuple(_tokens(random.Random(3), 4 * BS))
-    jobs = {0: [GenerateRequest("a", prompt, GREEDY, "a2")], 3: [GenerateRequest("b", prompt, GREEDY, "a2")],
-            4: [GenerateRequest("c", prompt, SEEDED, None)], 6: [GenerateRequest("d", prompt, SEEDED, None)]}
+    jobs = {
+        0: [GenerateRequest("a", prompt, GREEDY, "a2")],
+        3: [GenerateRequest("b", prompt, GREEDY, "a2")],
+        4: [GenerateRequest("c", prompt, SEEDED, None)],
+        6: [GenerateRequest("d", prompt, SEEDED, None)],
+    }
     on = _engine(tiny_model_dir, adapters)
     got, _, _ = run_to_completion(on, jobs)
     expected, _, _ = run_to_completion(_engine(tiny_model_dir, adapters, cache=False), jobs)
@@ -103,8 +123,10 @@ def test_preempted_requests_come_back_to_their_cached_blocks(tiny_model_dir, ada
     rng = random.Random(4)
     system = _tokens(rng, 12)
     long = SamplingParams(**{**vars(params), "max_tokens": 40})
-    reqs = [GenerateRequest(f"r{i}", tuple(system + _tokens(rng, rng.randint(2, 8))), long, ("a1", None)[i % 2])
-            for i in range(6)]
+    reqs = [
+        GenerateRequest(f"r{i}", tuple(system + _tokens(rng, rng.randint(2, 8))), long, ("a1", None)[i % 2])
+        for i in range(6)
+    ]
     expected, _, migrates = run_to_completion(_engine(tiny_model_dir, adapters, cache=False), {0: reqs})
     assert not migrates
     tight = _engine(tiny_model_dir, adapters, num_kv_blocks=40)
@@ -117,7 +139,9 @@ def test_preempted_requests_come_back_to_their_cached_blocks(tiny_model_dir, ada
         admitted(seq, hits)
 
     tight.prefix.admitted = count
-    got, _, migrates = run_to_completion(tight, {0: reqs}, on_migrate=lambda m: tight.add(by_id[m.request_id].resumed(m)))
+    got, _, migrates = run_to_completion(
+        tight, {0: reqs}, on_migrate=lambda m: tight.add(by_id[m.request_id].resumed(m))
+    )
     assert migrates and any(m.output_token_ids for m in migrates), "no request was preempted mid-generation"
     assert got == expected
     assert any(resumed_hits), "no preempted request found its blocks again"
@@ -132,8 +156,12 @@ def test_cached_blocks_are_evicted_before_any_request_is_preempted(tiny_model_di
     run_to_completion(engine, warm)
     assert engine.allocator.num_cached >= 30, "the finished requests' blocks should stay cached"
     # 4 requests of 24 prompt + 16 new tokens need all 40 blocks at their peak
-    load = {0: [GenerateRequest(f"n{i}", tuple(_tokens(rng, 24)), SamplingParams(max_tokens=16, temperature=0.0), "a1")
-                for i in range(4)]}
+    load = {
+        0: [
+            GenerateRequest(f"n{i}", tuple(_tokens(rng, 24)), SamplingParams(max_tokens=16, temperature=0.0), "a1")
+            for i in range(4)
+        ]
+    }
     got, reasons, migrates = run_to_completion(engine, load)
     assert not migrates, "a request was preempted while cached blocks could have been evicted"
     assert set(reasons.values()) == {"length"}
@@ -148,13 +176,25 @@ def test_random_arrivals_finishes_and_aborts_leak_no_block(tiny_model_dir, adapt
     every request that was not aborted ends with the output of an uncached roomy engine."""
     rng = random.Random(seed)
     systems = [_tokens(rng, rng.randint(4, 14)) for _ in range(3)]
-    reqs = [GenerateRequest(f"r{i}", tuple(rng.choice(systems) + _tokens(rng, rng.randint(1, 6))),
-                            SamplingParams(max_tokens=rng.randint(1, 14), temperature=rng.choice([0.0, 0.8]), seed=i),
-                            rng.choice(["a1", "a2", None])) for i in range(12)]
+    reqs = [
+        GenerateRequest(
+            f"r{i}",
+            tuple(rng.choice(systems) + _tokens(rng, rng.randint(1, 6))),
+            SamplingParams(max_tokens=rng.randint(1, 14), temperature=rng.choice([0.0, 0.8]), seed=i),
+            rng.choice(["a1", "a2", None]),
+        )
+        for i in range(12)
+    ]
     arrive = {i: rng.randint(0, 12) for i in range(len(reqs))}
     aborts = {rng.randint(0, 30): f"r{rng.randrange(len(reqs))}" for _ in range(3)}
-    engine = _engine(tiny_model_dir, adapters, num_kv_blocks=14, max_num_seqs=5, max_tokens_per_step=24,
-                     prefix_cache_max_blocks=[None, 4, 0][seed])
+    engine = _engine(
+        tiny_model_dir,
+        adapters,
+        num_kv_blocks=14,
+        max_num_seqs=5,
+        max_tokens_per_step=24,
+        prefix_cache_max_blocks=[None, 4, 0][seed],
+    )
     by_id, outputs, aborted, step, preempted = {r.request_id: r for r in reqs}, {}, set(), 0, 0
     while engine.has_work() or step <= 30:
         for i, k in arrive.items():
@@ -176,7 +216,9 @@ def test_random_arrivals_finishes_and_aborts_leak_no_block(tiny_model_dir, adapt
     if seed == 2:
         assert engine.allocator.num_cached == 0
     done = {rid: r for rid, r in by_id.items() if rid not in aborted}
-    expected, _, _ = run_to_completion(_engine(tiny_model_dir, adapters, cache=False, num_kv_blocks=256), {0: list(done.values())})
+    expected, _, _ = run_to_completion(
+        _engine(tiny_model_dir, adapters, cache=False, num_kv_blocks=256), {0: list(done.values())}
+    )
     assert {rid: outputs[rid] for rid in done} == expected
 
 

@@ -1,6 +1,7 @@
 """Prefix-affinity routing: the ranking rule without Ray, the heads an engine reports, and on
 real Ray Serve (3 replicas) a tenant's requests landing where its prefix is warm while that
 replica has room."""
+
 import random
 import time
 
@@ -22,8 +23,11 @@ def stats(running=0, started=0.0, heads=()):
 
 
 def test_a_warm_prefix_breaks_ties_before_age_but_never_beats_a_busier_replica():
-    views = [ReplicaView("old", stats(1, started=0)), ReplicaView("warm", stats(1, started=5, heads=[HEAD])),
-             ReplicaView("cold", stats(1, started=1, heads=["other"]))]
+    views = [
+        ReplicaView("old", stats(1, started=0)),
+        ReplicaView("warm", stats(1, started=5, heads=[HEAD])),
+        ReplicaView("cold", stats(1, started=1, heads=["other"])),
+    ]
     assert rank(views, Need(40, adapter="t", head=HEAD), POLICY) == ["warm", "old", "cold"]
     assert rank(views, Need(40, adapter="t"), POLICY) == ["old", "cold", "warm"]  # no head: age decides
     busier = [ReplicaView("busy", stats(2, started=9)), *views]
@@ -73,11 +77,19 @@ def pack(tmp_path_factory):
     make_random_adapter(model, root / "adapters" / "t", rank=4, targets=["q_proj", "v_proj"], seed=3)
     specs = {s.name: s for s in scan([root / "adapters"])}
     args = config_args(
-        model=str(model), max_batch_size=4, num_kv_blocks=64, block_size=16, max_model_len=256, max_tokens_per_step=256,
-        adapter_dirs=[str(root / "adapters")], max_loras=2, max_lora_rank=8,
+        model=str(model),
+        max_batch_size=4,
+        num_kv_blocks=64,
+        block_size=16,
+        max_model_len=256,
+        max_tokens_per_step=256,
+        adapter_dirs=[str(root / "adapters")],
+        max_loras=2,
+        max_lora_rank=8,
         replica={"num_replicas": 3, "ray_actor_options": {"num_cpus": 0.5}},
         ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
-        cluster={"routing_stats_period_s": 0.2, "failover_wait_s": 60, "max_migrations": 32})
+        cluster={"routing_stats_period_s": 0.2, "failover_wait_s": 60, "max_migrations": 32},
+    )
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start()
@@ -102,8 +114,13 @@ def test_a_tenant_lands_where_its_prefix_is_warm_while_that_replica_has_room(pac
     count = iter(range(100))
 
     def open_stream(system, max_tokens=3, avoid=()):
-        request = GenerateRequest(f"p{next(count)}", system + (rng.randrange(100, 49000),),
-                                  SamplingParams(max_tokens=max_tokens, temperature=0.0), "t", avoid_replicas=avoid)
+        request = GenerateRequest(
+            f"p{next(count)}",
+            system + (rng.randrange(100, 49000),),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            "t",
+            avoid_replicas=avoid,
+        )
         gen = handle.remote(request, pack["t"], 0)
         replica = next(gen).replica_id  # Accepted: where the router sent it
         next(gen)  # its first token: it runs
@@ -117,13 +134,15 @@ def test_a_tenant_lands_where_its_prefix_is_warm_while_that_replica_has_room(pac
     def settled(replica=None):
         """Every replica idle (and ``replica`` reporting the tenant's head), then time for the
         router's copy of the reports (polled every 0.2 s) to catch up."""
+
         def check():
             try:
                 reports = {r: replica_report(APP, r) for r in order}
             except ray.exceptions.RayError:  # a replica still busy with cancelled streams
                 return False
-            return all(s.batch == 0 for s in reports.values()) and \
-                (replica is None or prefix_head("t", tenant) in reports[replica].prefix_heads)
+            return all(s.batch == 0 for s in reports.values()) and (
+                replica is None or prefix_head("t", tenant) in reports[replica].prefix_heads
+            )
 
         assert wait_for(check, timeout=90)
         time.sleep(1.0)

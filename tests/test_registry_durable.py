@@ -2,6 +2,7 @@
 an s3:// object on moto at 127.0.0.1) on every change, read back at start-up, a failed
 write changing nothing. (The end-to-end restart through Ray Serve is in
 tests/test_isolation.py, which shares its cluster.)"""
+
 import json
 
 import pytest
@@ -15,7 +16,10 @@ Registry = AdapterRegistry.func_or_class  # the deployment's class, run here wit
 
 
 def _scanned():
-    return [AdapterSpec("pirate", "/adapters/pirate", 0, "v-pirate"), AdapterSpec("shout", "/adapters/shout", 0, "v-shout")]
+    return [
+        AdapterSpec("pirate", "/adapters/pirate", 0, "v-pirate"),
+        AdapterSpec("shout", "/adapters/shout", 0, "v-shout"),
+    ]
 
 
 def test_changes_persist_and_come_back(tmp_path):
@@ -29,8 +33,10 @@ def test_changes_persist_and_come_back(tmp_path):
 
     again = Registry(_scanned(), where)
     specs, restored_epoch = again.list()
-    assert [(s.name, s.path, s.version) for s in specs] == [("pirate", "/adapters/pirate", "v-pirate"),
-                                                            ("tenant-a", "/data/a", "v1")]
+    assert [(s.name, s.path, s.version) for s in specs] == [
+        ("pirate", "/adapters/pirate", "v-pirate"),
+        ("tenant-a", "/data/a", "v1"),
+    ]
     assert restored_epoch == epoch == 4  # replicas that synced before the restart still see later changes
     assert json.loads((tmp_path / "state" / "registry.json").read_text())["removed"] == ["shout"]
     assert [p.name for p in (tmp_path / "state").iterdir()] == ["registry.json"]  # no temporary left behind
@@ -76,8 +82,13 @@ def test_an_s3_object_holds_the_state(s3, monkeypatch):
     # moto may answer `Expect: 100-continue` twice, which botocore reads as a closed connection: never sent
     assert len(sent) == 2 and not any("Expect" in r.headers for r in sent)
     saved = json.loads(s3.client.get_object(Bucket="registry", Key="loraplex/adapters.json")["Body"].read())
-    assert saved["adapters"] == {"tenant-a": {"path": "s3://tenants/a/", "version": "v1"}} and saved["removed"] == ["pirate"]
+    assert saved["adapters"] == {"tenant-a": {"path": "s3://tenants/a/", "version": "v1"}} and saved["removed"] == [
+        "pirate"
+    ]
     restored = Registry(_scanned(), where)
-    assert [(s.name, s.path) for s in restored.list()[0]] == [("shout", "/adapters/shout"), ("tenant-a", "s3://tenants/a/")]
+    assert [(s.name, s.path) for s in restored.list()[0]] == [
+        ("shout", "/adapters/shout"),
+        ("tenant-a", "s3://tenants/a/"),
+    ]
     with pytest.raises(RegistryStoreError):
         open_store("s3://registry/")  # a prefix, not an object

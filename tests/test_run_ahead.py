@@ -1,5 +1,6 @@
 """Which decode step is launched ahead (app/engine/run_ahead.py), and when the engine takes it:
 the rules on host state alone, with a stand-in for the tokens drawn on the device."""
+
 from app.engine.config import EngineConfig
 from app.engine.kv_cache import BlockAllocator
 from app.engine.run_ahead import Ahead, next_decode
@@ -26,7 +27,9 @@ def _setup(lengths, max_tokens=10, waiting=0, max_batch=4, **params):
     sched = Scheduler(EngineConfig(max_num_seqs=max_batch, num_kv_blocks=64, block_size=BS), BlockAllocator(64), None)
     seqs = []
     for i, n in enumerate(lengths):
-        seq = Sequence(GenerateRequest(f"r{i}", tuple(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, **params)), 0, i)
+        seq = Sequence(
+            GenerateRequest(f"r{i}", tuple(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, **params)), 0, i
+        )
         seq.block_table = sched.allocator.allocate(-(-n // BS))
         seq.num_computed = n  # step N computed the prompt; its token is not appended yet
         seqs.append(seq)

@@ -2,6 +2,7 @@
 20,000 seeded draws per setting follow the reference distribution (chi-square) and never leave the
 top-k / top-p set; a row's token depends only on its own logits and parameters, not on the batch;
 suppressed tokens, logprobs and every accepted extreme value behave."""
+
 import math
 from types import SimpleNamespace
 
@@ -61,7 +62,9 @@ def _chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
     keep = exp > 0
     stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
     df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 SETTINGS = {
@@ -102,11 +105,15 @@ def test_the_chi_square_check_rejects_a_wrong_distribution():
 
 
 def _mixed_batch(n=64, vocab=300):
-    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
-             SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=1.2, top_k=7),
-             SamplingParams(temperature=0.7, top_k=50, top_p=0.95, logprobs=3),
-             SamplingParams(temperature=0.0, logprobs=0, min_tokens=5, stop_token_ids=(4, 9)),
-             SamplingParams(temperature=1.0, min_tokens=9, stop_token_ids=(11,))]
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=0.9, top_p=0.9),
+        SamplingParams(temperature=1.2, top_k=7),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.95, logprobs=3),
+        SamplingParams(temperature=0.0, logprobs=0, min_tokens=5, stop_token_ids=(4, 9)),
+        SamplingParams(temperature=1.0, min_tokens=9, stop_token_ids=(11,)),
+    ]
     seqs = [_seq(kinds[i % len(kinds)], seed=1000 + i, outputs=i % 13) for i in range(n)]
     return _logits(2, n, vocab), seqs
 
@@ -128,16 +135,21 @@ def test_the_draw_is_keyed_by_seed_and_position():
     assert len(draws) == 300 and all(0 < u < 1 for u in draws)
     logits = _logits(3, 1, 1000).expand(2, 1000).contiguous() * 0.1  # nearly flat: seeds decide
     params = SamplingParams(temperature=1.0)
-    a = [int(_draw(logits, [_seq(params, 1, outputs=i), _seq(params, 2, outputs=i)])[0].tokens[k])
-         for i in range(20) for k in (0, 1)]
+    a = [
+        int(_draw(logits, [_seq(params, 1, outputs=i), _seq(params, 2, outputs=i)])[0].tokens[k])
+        for i in range(20)
+        for k in (0, 1)
+    ]
     assert a[0::2] != a[1::2], "two seeds drew the same 20 tokens"
 
 
 def test_suppressed_tokens_are_never_drawn_before_min_tokens():
     logits = _logits(4, 1, 50)
     logits[0, 7] = logits[0, 8] = 50.0  # 7 is EOS, 8 a stop token id: both far above the rest
-    for params in (SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(8,)),
-                   SamplingParams(temperature=1.0, top_p=0.5, min_tokens=3, stop_token_ids=(8,))):
+    for params in (
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(8,)),
+        SamplingParams(temperature=1.0, top_p=0.5, min_tokens=3, stop_token_ids=(8,)),
+    ):
         rows = [_seq(params, seed=i, outputs=i % 3) for i in range(30)]
         assert not {7, 8} & set(_draw(logits.expand(30, 50).contiguous(), rows, eos=(7,))[0].tokens.tolist())
         done = [_seq(params, seed=i, outputs=3) for i in range(30)]  # min_tokens reached
@@ -163,8 +175,13 @@ def test_every_accepted_extreme_value_is_safe():
     vocabulary is off; a huge or infinite temperature is uniform; nothing is nan or out of range."""
     logits = _logits(5, 1, 64)
     best = int(logits.argmax())
-    tiny = [{"temperature": 5e-324}, {"temperature": 1e-38, "top_k": 10**18}, {"top_p": 5e-324, "temperature": 2.0},
-            {"top_p": 1e-46}, {"temperature": 1e-300, "top_p": 1e-300, "top_k": 2**62, "logprobs": 20}]
+    tiny = [
+        {"temperature": 5e-324},
+        {"temperature": 1e-38, "top_k": 10**18},
+        {"top_p": 5e-324, "temperature": 2.0},
+        {"top_p": 1e-46},
+        {"temperature": 1e-300, "top_p": 1e-300, "top_k": 2**62, "logprobs": 20},
+    ]
     for kw in tiny:
         rows = [_seq(SamplingParams(**kw), seed=s) for s in range(50)]
         drawn, _ = _draw(logits.expand(50, 64).contiguous(), rows)

@@ -2,6 +2,7 @@
 tokens alone, inside a batch of 16 mixed requests (greedy, other seeds, top-k/top-p, logprobs,
 min_tokens, adapters, late arrivals), and resumed after a migration; another seed differs.
 min_tokens holds EOS and stop token ids back, ignore_eos lets EOS through, logprobs come per token."""
+
 import dataclasses
 import random
 
@@ -20,8 +21,10 @@ TARGET = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, see
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("sampling-adapters")
-    return {name: str(make_random_adapter(tiny_model_dir, root / name, rank=4, targets=["q_proj", "down_proj"], seed=i))
-            for i, name in enumerate(["x", "y"])}
+    return {
+        name: str(make_random_adapter(tiny_model_dir, root / name, rank=4, targets=["q_proj", "down_proj"], seed=i))
+        for i, name in enumerate(["x", "y"])
+    }
 
 
 def _engine(tiny_model_dir, adapters, **kw):
@@ -35,14 +38,23 @@ def _alone(tiny_model_dir, adapters, request):
 
 
 def _mixed(n: int, rng: random.Random, prefix: str = "m") -> list[GenerateRequest]:
-    kinds = [SamplingParams(max_tokens=20, temperature=0.0),
-             SamplingParams(max_tokens=18, temperature=0.8, seed=5),
-             SamplingParams(max_tokens=30, temperature=1.1, top_k=5),
-             SamplingParams(max_tokens=16, temperature=0.7, top_p=0.8, logprobs=3),
-             SamplingParams(max_tokens=22, temperature=0.0, logprobs=1, min_tokens=10, stop_token_ids=(7, 9)),
-             SamplingParams(max_tokens=12, temperature=1.0, min_tokens=12, stop_token_ids=(2,))]
-    return [GenerateRequest(f"{prefix}{i}", tuple(rng.randrange(320) for _ in range(rng.randint(2, 30))),
-                            kinds[i % len(kinds)], [None, "x", "y"][i % 3]) for i in range(n)]
+    kinds = [
+        SamplingParams(max_tokens=20, temperature=0.0),
+        SamplingParams(max_tokens=18, temperature=0.8, seed=5),
+        SamplingParams(max_tokens=30, temperature=1.1, top_k=5),
+        SamplingParams(max_tokens=16, temperature=0.7, top_p=0.8, logprobs=3),
+        SamplingParams(max_tokens=22, temperature=0.0, logprobs=1, min_tokens=10, stop_token_ids=(7, 9)),
+        SamplingParams(max_tokens=12, temperature=1.0, min_tokens=12, stop_token_ids=(2,)),
+    ]
+    return [
+        GenerateRequest(
+            f"{prefix}{i}",
+            tuple(rng.randrange(320) for _ in range(rng.randint(2, 30))),
+            kinds[i % len(kinds)],
+            [None, "x", "y"][i % 3],
+        )
+        for i in range(n)
+    ]
 
 
 def test_seeded_request_alone_in_a_mixed_batch_and_after_a_migration(tiny_model_dir, adapters):
@@ -94,9 +106,11 @@ def test_min_tokens_holds_eos_and_stop_ids_back(tiny_model_dir, adapters):
 
 def test_logprobs_per_token(tiny_model_dir, adapters):
     engine = _engine(tiny_model_dir, adapters)
-    reqs = [GenerateRequest("g", PROMPT, SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)),
-            GenerateRequest("s", PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=2, logprobs=0)),
-            GenerateRequest("n", PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=2))]
+    reqs = [
+        GenerateRequest("g", PROMPT, SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)),
+        GenerateRequest("s", PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=2, logprobs=0)),
+        GenerateRequest("n", PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=2)),
+    ]
     for r in reqs:
         engine.add(r)
     chunks = []
@@ -127,7 +141,9 @@ class _EagerGraphs:
         pending = next_tokens[0][next_tokens[1]].tolist() if next_tokens is not None else []
         for seq, token in zip(order, pending):  # the token the host has not appended yet
             seq.output_ids.append(token)
-        inputs, _ = build_step([(s, 1) for s in order], self.engine.model.lora_pool, self.engine.config.block_size, "cpu")
+        inputs, _ = build_step(
+            [(s, 1) for s in order], self.engine.model.lora_pool, self.engine.config.block_size, "cpu"
+        )
         for seq in order[: len(pending)]:
             seq.output_ids.pop()
         return self.engine.model.forward(inputs, self.engine.kv)
@@ -137,12 +153,24 @@ def test_sampled_steps_launched_ahead_draw_what_steps_run_in_turn_do(tiny_model_
     """The run-ahead path on the CPU: seeded top-p / top-k, min_tokens with stop ids, logprobs and
     greedy rows; a step launched ahead draws with each row one token further (position, min_tokens)."""
     rng = random.Random(5)
-    kinds = [SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=1, logprobs=2),
-             SamplingParams(max_tokens=14, temperature=0.8, top_k=20, seed=2),
-             SamplingParams(max_tokens=14, temperature=1.0, min_tokens=9, stop_token_ids=(5, 6, 7, 8), seed=3),
-             SamplingParams(max_tokens=14, temperature=0.0, logprobs=1)]
-    requests = {k: [GenerateRequest(f"s{k}_{i}", tuple(rng.randrange(320) for _ in range(rng.randint(2, 20))),
-                                    kinds[i % len(kinds)], [None, "x", "y"][i % 3]) for i in range(8)] for k in (0, 9)}
+    kinds = [
+        SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=1, logprobs=2),
+        SamplingParams(max_tokens=14, temperature=0.8, top_k=20, seed=2),
+        SamplingParams(max_tokens=14, temperature=1.0, min_tokens=9, stop_token_ids=(5, 6, 7, 8), seed=3),
+        SamplingParams(max_tokens=14, temperature=0.0, logprobs=1),
+    ]
+    requests = {
+        k: [
+            GenerateRequest(
+                f"s{k}_{i}",
+                tuple(rng.randrange(320) for _ in range(rng.randint(2, 20))),
+                kinds[i % len(kinds)],
+                [None, "x", "y"][i % 3],
+            )
+            for i in range(8)
+        ]
+        for k in (0, 9)
+    }
     out = {}
     for ahead in (True, False):
         engine = _engine(tiny_model_dir, adapters, max_num_seqs=8)

@@ -1,6 +1,7 @@
 """The store's tiers under load: 200 adapters through a host cache of 20 (LRU, no leak, every
 result right), single flight (50 concurrent first requests → one download), disk budget,
 crash safety of the disk cache, pinned packing, and metrics."""
+
 import asyncio
 import gc
 import logging
@@ -37,8 +38,9 @@ def test_200_adapters_through_a_host_cache_of_20(tmp_path, s3, shape):
     local = {n: load_local(n, d, 16, shape) for n, d in dirs.items()}
     size = local["a0"].nbytes  # all the same rank and targets: the budget holds exactly HELD
     # Straight to moto (the proxy only doubles the requests' cost here); loads counted by the store.
-    st = AdapterStore(shape, store_config(s3.endpoint, tmp_path, host=HostCacheConfig(budget_bytes=HELD * size),
-                                          workers=8))
+    st = AdapterStore(
+        shape, store_config(s3.endpoint, tmp_path, host=HostCacheConfig(budget_bytes=HELD * size), workers=8)
+    )
     for n in names:
         st.register(n, f"s3://{bucket}/fleet/{n}/")
 
@@ -132,8 +134,11 @@ def test_verification_rejects_bad_bytes_and_leaves_nothing(tmp_path):
     cache = DiskCache(DiskCacheConfig(tmp_path / "c"))
     blob = os.urandom(10_000)
     target = cache.root / "s3" / "b" / "k" / ("@" + "0" * 16) / "adapter_model.safetensors"
-    good = {"md5": hashlib.md5(blob).hexdigest(), "sha256": hashlib.sha256(blob).hexdigest(),
-            "crc32": f"{zlib.crc32(blob):08x}"}
+    good = {
+        "md5": hashlib.md5(blob).hexdigest(),
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "crc32": f"{zlib.crc32(blob):08x}",
+    }
     bad_bytes = blob[:-1] + bytes([blob[-1] ^ 1])
     for digest in good:
         with pytest.raises(AdapterFetchError, match="mismatch") as err:

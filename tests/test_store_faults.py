@@ -3,6 +3,7 @@ connection reset mid-body, corrupt or truncated bodies, a server slower than the
 Each must give bounded latency, an explicit error of the fault's kind (answered with a gateway
 status: unavailable 503, bad answer 502, timed out 504), no file in the cache
 (partial or not), and a clean load on the next attempt once the fault is gone."""
+
 import socket
 import time
 from dataclasses import replace
@@ -39,8 +40,9 @@ def _unsigned_client(s3):
     """Uploads without the CRC32 boto3 adds by default: only the ETag (MD5) can verify the body."""
     from botocore.config import Config
 
-    return upload_client(s3.endpoint, Config(request_checksum_calculation="when_required",
-                                             response_checksum_validation="when_required"))
+    return upload_client(
+        s3.endpoint, Config(request_checksum_calculation="when_required", response_checksum_validation="when_required")
+    )
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))

@@ -1,6 +1,7 @@
 """Names, URIs and cache paths: traversal is rejected (plain, URL-encoded, absolute, via
 symlinks), cache paths keep the bucket and never collide, and nothing is ever written
 outside the cache root."""
+
 import os
 
 import pytest
@@ -16,11 +17,27 @@ pytest_plugins = ["tests.s3_fixtures"]  # fixtures: s3, shape
 
 V = "0123456789abcdef"
 BAD_URIS = [
-    "s3://bkt/../etc/", "s3://bkt/a/../../b", "s3://bkt/a/./b", "s3://bkt//a", "s3://bkt/a//b",
-    "s3://bkt/%2e%2e/x", "s3://bkt/a/%2E%2E%2Fb", "s3://bkt/a%2fb", "s3://bkt/a/..%5c..%5cb",
-    "s3://bkt/a\\..\\b", "s3://bkt/a/.hidden", "s3://bkt/a/@0123456789abcdef", "s3://bkt/a b",
-    "s3://../x", "s3://BKT/x", "s3:///x", "s3://b/x", "s3://bkt..x/y", "s3://bkt/a\x00b",
-    "http://bkt/x", "gs://bkt/x",
+    "s3://bkt/../etc/",
+    "s3://bkt/a/../../b",
+    "s3://bkt/a/./b",
+    "s3://bkt//a",
+    "s3://bkt/a//b",
+    "s3://bkt/%2e%2e/x",
+    "s3://bkt/a/%2E%2E%2Fb",
+    "s3://bkt/a%2fb",
+    "s3://bkt/a/..%5c..%5cb",
+    "s3://bkt/a\\..\\b",
+    "s3://bkt/a/.hidden",
+    "s3://bkt/a/@0123456789abcdef",
+    "s3://bkt/a b",
+    "s3://../x",
+    "s3://BKT/x",
+    "s3:///x",
+    "s3://b/x",
+    "s3://bkt..x/y",
+    "s3://bkt/a\x00b",
+    "http://bkt/x",
+    "gs://bkt/x",
 ]
 BAD_NAMES = ["", "..", "../x", "/abs", "a/b", ".hidden", "%2e%2e", "a\\b", "a b", "x" * 129, "-lead"]
 
@@ -49,9 +66,21 @@ def test_good_uris_parse():
 
 
 def test_cache_paths_keep_the_bucket_and_never_collide(tmp_path):
-    uris = ["s3://bkt/a--b/c", "s3://bkt/a/b--c", "s3://bkt/a-b/c", "s3://bkt/a/b-c", "s3://bkt-a/b/c",
-            "s3://bkt/a-b-c", "s3://bkt.a/b/c", "s3://bkt/a.b/c", "s3://bkt/lora1", "s3://bkt/lora10",
-            "s3://bkt/lora1/0", "s3://bkt/a/b/c", "s3://other/a/b/c"]
+    uris = [
+        "s3://bkt/a--b/c",
+        "s3://bkt/a/b--c",
+        "s3://bkt/a-b/c",
+        "s3://bkt/a/b-c",
+        "s3://bkt-a/b/c",
+        "s3://bkt/a-b-c",
+        "s3://bkt.a/b/c",
+        "s3://bkt/a.b/c",
+        "s3://bkt/lora1",
+        "s3://bkt/lora10",
+        "s3://bkt/lora1/0",
+        "s3://bkt/a/b/c",
+        "s3://other/a/b/c",
+    ]
     paths = [cache_file(tmp_path, parse_uri(u), V, "adapter_model.safetensors") for u in uris]
     assert len(set(paths)) == len(uris)
     for u, p in zip(uris, paths):
@@ -113,5 +142,7 @@ def test_store_writes_nothing_outside_its_cache_root(tmp_path, s3, shape):
     files = [p for p in sandbox.rglob("*") if p.is_file()]
     assert len(files) == 2 and all(p.is_relative_to(sandbox / "cache" / "s3" / bucket) for p in files)
     assert {p.parent.parent.relative_to(sandbox / "cache" / "s3" / bucket).as_posix() for p in files} == {
-        "a--b/c", "a/b--c"}
+        "a--b/c",
+        "a/b--c",
+    }
     st.close()

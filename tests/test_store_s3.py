@@ -1,6 +1,7 @@
 """AdapterStore against a real S3 protocol server (moto on 127.0.0.1, through the fault proxy):
 S3 adapters equal the same adapters read locally; a re-uploaded adapter is served new after
 re-registration; boto3's configuration conventions; unknown and invalid adapters."""
+
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -106,8 +107,10 @@ def test_boto3_conventions_env_endpoint_and_profile(tmp_path, s3, shape, monkeyp
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     config = tmp_path / "aws-config"
-    config.write_text(f"[profile moto]\naws_access_key_id = k\naws_secret_access_key = s\n"
-                      f"region = us-east-1\nendpoint_url = {s3.proxy.url}\n")
+    config.write_text(
+        f"[profile moto]\naws_access_key_id = k\naws_secret_access_key = s\n"
+        f"region = us-east-1\nendpoint_url = {s3.proxy.url}\n"
+    )
     monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
     assert load(tmp_path / "profile", S3Config(profile="moto")).manifest.rank == 2
     with pytest.raises(AdapterFetchError, match="profile"):
@@ -136,7 +139,9 @@ def test_unknown_adapters_are_404_and_cached_for_a_ttl(tmp_path, s3, shape, stor
 def test_default_root_resolves_unregistered_names(tmp_path, s3, shape):
     bucket = s3.bucket("root")
     upload_dir(s3.client, bucket, "adapters/alpha", write_adapter(tmp_path / "alpha", shape))
-    st = AdapterStore(shape, store_config(s3.proxy.url, tmp_path, default_root=f"s3://{bucket}/adapters/", miss_ttl_s=60))
+    st = AdapterStore(
+        shape, store_config(s3.proxy.url, tmp_path, default_root=f"s3://{bucket}/adapters/", miss_ttl_s=60)
+    )
     assert st.get("alpha").manifest.rank == 2 and st.names() == []
     before = len(s3.proxy.state.requests)
     with ThreadPoolExecutor(8) as pool:
@@ -157,15 +162,20 @@ def test_invalid_adapters_in_s3_are_400_and_others_keep_serving(tmp_path, s3, sh
     good = write_adapter(tmp_path / "good", shape)
     store.register("lora10", upload_dir(s3.client, bucket, "t/lora10", good))
     # lora1 holds only a pickled .bin: never unpickled, and lora10's files (a sibling prefix) never used.
-    s3.client.put_object(Bucket=bucket, Key="t/lora1/adapter_config.json", Body=(good / "adapter_config.json").read_bytes())
+    s3.client.put_object(
+        Bucket=bucket, Key="t/lora1/adapter_config.json", Body=(good / "adapter_config.json").read_bytes()
+    )
     s3.client.put_object(Bucket=bucket, Key="t/lora1/adapter_model.bin", Body=b"\x80\x04pickle")
     store.register("lora1", f"s3://{bucket}/t/lora1")
     with pytest.raises(InvalidAdapterError, match="never loaded"):
         store.get("lora1")
 
     cfg = json.loads((good / "adapter_config.json").read_text())
-    cases = {"not-json": b"{r: 2", "big-rank": json.dumps({**cfg, "r": 64}).encode(),
-             "dora": json.dumps({**cfg, "use_dora": True}).encode()}
+    cases = {
+        "not-json": b"{r: 2",
+        "big-rank": json.dumps({**cfg, "r": 64}).encode(),
+        "dora": json.dumps({**cfg, "use_dora": True}).encode(),
+    }
     for name, config in cases.items():
         upload_dir(s3.client, bucket, f"t/{name}", good)
         s3.client.put_object(Bucket=bucket, Key=f"t/{name}/adapter_config.json", Body=config)

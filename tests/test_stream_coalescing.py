@@ -2,6 +2,7 @@
 model, without Serve: a reader that falls behind gets several tokens per item and their
 concatenation is the unbatched output; a reader that keeps up gets the first token alone
 at once; a stream that moves in the middle of a coalesced item resumes exactly."""
+
 import asyncio
 import random
 import threading
@@ -33,8 +34,13 @@ def _requests(n, seed=3):
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        params = SamplingParams(max_tokens=rng.randint(12, 24), temperature=0.0 if i % 2 else 0.8, seed=i,
-                                logprobs=2 if i % 3 == 0 else None, stop=(" the", "ing") if i % 4 == 1 else ())
+        params = SamplingParams(
+            max_tokens=rng.randint(12, 24),
+            temperature=0.0 if i % 2 else 0.8,
+            seed=i,
+            logprobs=2 if i % 3 == 0 else None,
+            stop=(" the", "ing") if i % 4 == 1 else (),
+        )
         out.append(GenerateRequest(f"r{i}", tuple(rng.randrange(100, 49000) for _ in range(5)), params))
     return out
 
@@ -71,9 +77,14 @@ def _gated(core, tokens: int) -> threading.Event:
 
 def _summary(chunks):
     last = chunks[-1]
-    return ([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
-            [lp for c in chunks for lp in (c.logprobs or ())], last.finish_reason, last.prompt_tokens,
-            last.completion_tokens)
+    return (
+        [t for c in chunks for t in c.token_ids],
+        "".join(c.text for c in chunks),
+        [lp for c in chunks for lp in (c.logprobs or ())],
+        last.finish_reason,
+        last.prompt_tokens,
+        last.completion_tokens,
+    )
 
 
 def _close(got, want):
@@ -93,9 +104,14 @@ async def _until(predicate, engine):
 
 
 def test_coalesce_merges_runs_and_keeps_the_final_item_last():
-    a, b = TokenChunk("r", (1,), "a", ({"token_id": 1},), None, 3, 1), TokenChunk("r", (2, 3), "bc", ({"token_id": 2}, {"token_id": 3}), "stop", 3, 3)
+    a, b = (
+        TokenChunk("r", (1,), "a", ({"token_id": 1},), None, 3, 1),
+        TokenChunk("r", (2, 3), "bc", ({"token_id": 2}, {"token_id": 3}), "stop", 3, 3),
+    )
     (merged,) = coalesce([a, b])
-    assert merged == TokenChunk("r", (1, 2, 3), "abc", ({"token_id": 1}, {"token_id": 2}, {"token_id": 3}), "stop", 3, 3)
+    assert merged == TokenChunk(
+        "r", (1, 2, 3), "abc", ({"token_id": 1}, {"token_id": 2}, {"token_id": 3}), "stop", 3, 3
+    )
     assert is_final(merged) and not is_final(a)
 
 
@@ -178,12 +194,15 @@ def test_a_move_in_the_middle_of_a_coalesced_item_resumes_exactly(model, alone, 
     """The source has computed several tokens the reader has not taken (one coalesced item)
     when it drains (the item, then Migrate) or leaves (the item is dropped: the resubmission
     carries only the tokens relayed)."""
-    request = with_fixed_seed(GenerateRequest("m", (311, 4242, 977, 12), SamplingParams(
-        max_tokens=20, temperature=0.8, logprobs=1)))
+    request = with_fixed_seed(
+        GenerateRequest("m", (311, 4242, 977, 12), SamplingParams(max_tokens=20, temperature=0.8, logprobs=1))
+    )
     source = build_engine(model, CONFIG, {})
     gate = _gated(source, 8)
-    engines = {"A": AsyncEngine(source, migrate_locally=False),
-               "B": AsyncEngine(build_engine(model, CONFIG, {}), migrate_locally=False)}
+    engines = {
+        "A": AsyncEngine(source, migrate_locally=False),
+        "B": AsyncEngine(build_engine(model, CONFIG, {}), migrate_locally=False),
+    }
     order = iter("AB")
     submitted = []
 
@@ -228,6 +247,11 @@ def test_replica_code_runs_on_serves_loop_unless_the_config_says_otherwise():
         return parse_args({"replica": replica}, "m").replica_options["ray_actor_options"]["runtime_env"]["env_vars"]
 
     assert env({"num_replicas": 1})["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
-    given = env({"ray_actor_options": {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1",
-                                                                    "X": "y"}}}})
+    given = env(
+        {
+            "ray_actor_options": {
+                "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "X": "y"}}
+            }
+        }
+    )
     assert given == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "X": "y"}

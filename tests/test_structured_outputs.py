@@ -4,6 +4,7 @@ jsonschema; json_object, regex and choice guides; a constrained request equals i
 mixed batch, after a migration, and as each of n choices (with penalties and logit_bias beside the
 guide); a token its grammar rejects ends that request alone; bad guides fail at compile with the
 problem named, off the engine thread."""
+
 import asyncio
 import dataclasses
 import json
@@ -59,7 +60,9 @@ def test_fifty_random_schemas_validate_on_the_base_model_and_an_adapter(model, a
     requests, expected = [], {}
     for i, schema in enumerate(schemas):
         for adapter in (None, "a"):
-            params = SamplingParams(max_tokens=MAX_TOKENS, temperature=(0.0, 1.0)[i % 2], seed=i, guide=_schema_guide(schema))
+            params = SamplingParams(
+                max_tokens=MAX_TOKENS, temperature=(0.0, 1.0)[i % 2], seed=i, guide=_schema_guide(schema)
+            )
             rid = f"s{i}-{adapter}"
             requests.append(GenerateRequest(rid, _prompt(rng), params, adapter))
             expected[rid] = schema
@@ -90,11 +93,19 @@ def _run(engine, requests) -> dict[str, tuple[str, str]]:
 
 def test_regex_and_choice_guides(model, adapters):
     engine = _engine(model, adapters)
-    choices = ["red", "green", "a \"quoted\" blue", "ünïcode ✓"]
+    choices = ["red", "green", 'a "quoted" blue', "ünïcode ✓"]
     pattern = r"[A-Z][a-z]{2,8} [0-9]{1,3}(\.[0-9])?"
     kinds = {"re": Guide("regex", pattern), "choice": Guide("choice", json.dumps(choices))}
-    requests = [GenerateRequest(f"{k}{seed}", (500 + seed, 77, 901), SamplingParams(max_tokens=MAX_TOKENS, seed=seed, guide=g),
-                                "a" if seed % 2 else None) for k, g in kinds.items() for seed in range(4)]
+    requests = [
+        GenerateRequest(
+            f"{k}{seed}",
+            (500 + seed, 77, 901),
+            SamplingParams(max_tokens=MAX_TOKENS, seed=seed, guide=g),
+            "a" if seed % 2 else None,
+        )
+        for k, g in kinds.items()
+        for seed in range(4)
+    ]
     for rid, (text, reason) in _run(engine, requests).items():
         assert reason == "stop", (rid, text)
         assert re.fullmatch(pattern, text) if rid.startswith("re") else text in choices, (rid, text)
@@ -117,13 +128,27 @@ def test_json_object_accepts_any_object_and_nothing_else(model, adapters):
 def test_constrained_plain_and_sampled_requests_in_one_batch_equal_their_solo_outputs(model, adapters):
     rng = random.Random(3)
     schema = random_schemas(3, seed=11)[2]
-    mine = [GenerateRequest("json", _prompt(rng), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=5,
-                                                                  guide=_schema_guide(schema)), "a"),
-            GenerateRequest("plain", _prompt(rng), SamplingParams(max_tokens=30, temperature=0.0)),
-            GenerateRequest("sampled", _prompt(rng), SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=6), "a")]
-    others = [GenerateRequest(f"o{i}", _prompt(rng), SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i,
-                                                                    guide=_schema_guide(s)), [None, "a"][i % 2])
-              for i, s in enumerate(random_schemas(6, seed=12))]
+    mine = [
+        GenerateRequest(
+            "json",
+            _prompt(rng),
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=5, guide=_schema_guide(schema)),
+            "a",
+        ),
+        GenerateRequest("plain", _prompt(rng), SamplingParams(max_tokens=30, temperature=0.0)),
+        GenerateRequest(
+            "sampled", _prompt(rng), SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=6), "a"
+        ),
+    ]
+    others = [
+        GenerateRequest(
+            f"o{i}",
+            _prompt(rng),
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i, guide=_schema_guide(s)),
+            [None, "a"][i % 2],
+        )
+        for i, s in enumerate(random_schemas(6, seed=12))
+    ]
     alone = {r.request_id: _run(_engine(model, adapters, prefix_caching=False), [r])[r.request_id] for r in mine}
     together = _run(_engine(model, adapters, prefix_caching=False), mine + others)
     assert {k: together[k] for k in alone} == alone
@@ -132,8 +157,12 @@ def test_constrained_plain_and_sampled_requests_in_one_batch_equal_their_solo_ou
 
 def test_a_resumed_constrained_request_continues_where_it_left_off(model, adapters):
     schema = random_schemas(5, seed=21)[4]
-    request = GenerateRequest("r", (300, 301, 302, 303), SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=9,
-                                                                        guide=_schema_guide(schema)), "a")
+    request = GenerateRequest(
+        "r",
+        (300, 301, 302, 303),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=9, guide=_schema_guide(schema)),
+        "a",
+    )
     config = dict(prefix_caching=False, dtype=torch.float64)  # recomputed in another shape: no fp32 near-tie flips
     full, reasons, _ = run_to_completion(_engine(model, adapters, **config), {0: [request]})
     assert reasons["r"] == "stop" and len(full["r"]) > 6
@@ -151,8 +180,10 @@ def test_a_token_the_grammar_rejects_ends_that_request_alone(model, adapters, mo
     engine = _engine(model, adapters)
     rng = random.Random(4)
     schemas = random_schemas(4, seed=31)
-    requests = [GenerateRequest(f"r{i}", _prompt(rng), SamplingParams(max_tokens=MAX_TOKENS, seed=i, guide=_schema_guide(s)))
-                for i, s in enumerate(schemas)] + [GenerateRequest("plain", _prompt(rng), SamplingParams(max_tokens=12))]
+    requests = [
+        GenerateRequest(f"r{i}", _prompt(rng), SamplingParams(max_tokens=MAX_TOKENS, seed=i, guide=_schema_guide(s)))
+        for i, s in enumerate(schemas)
+    ] + [GenerateRequest("plain", _prompt(rng), SamplingParams(max_tokens=12))]
     draw, steps = runner_module.draw, []
 
     def faulty_draw(logits, sp):
@@ -170,18 +201,23 @@ def test_a_token_the_grammar_rejects_ends_that_request_alone(model, adapters, mo
         chunks += engine.step()
     errors = [c for c in chunks if isinstance(c, ErrorChunk)]
     assert len(errors) == 1 and "does not follow the request's grammar" in errors[0].message, errors
-    finished = {c.request_id for c in chunks if getattr(c, "finish_reason", None) == "stop" or
-                getattr(c, "finish_reason", None) == "length"}
+    finished = {
+        c.request_id
+        for c in chunks
+        if getattr(c, "finish_reason", None) == "stop" or getattr(c, "finish_reason", None) == "length"
+    }
     assert finished == {r.request_id for r in requests} - {errors[0].request_id}
 
 
 def test_bad_guides_fail_at_compile_naming_the_problem_and_compiles_are_cached(model, adapters):
     grammars = _engine(model, adapters).grammars
-    bad = {Guide("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "strng"}}})): "strng",
-           Guide("json_schema", json.dumps({"type": "object", "if": {"type": "object"}})): "if",
-           Guide("json_schema", json.dumps({"$ref": "#/$defs/missing"})): "missing",
-           Guide("regex", "[a-z"): "regex",
-           Guide("json_schema", json.dumps({"type": "string", "pattern": "(("})): "unclosed"}
+    bad = {
+        Guide("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "strng"}}})): "strng",
+        Guide("json_schema", json.dumps({"type": "object", "if": {"type": "object"}})): "if",
+        Guide("json_schema", json.dumps({"$ref": "#/$defs/missing"})): "missing",
+        Guide("regex", "[a-z"): "regex",
+        Guide("json_schema", json.dumps({"type": "string", "pattern": "(("})): "unclosed",
+    }
     for guide, named in bad.items():
         with pytest.raises(InvalidRequestError, match=re.escape(named)):
             grammars.compile(guide)
@@ -199,7 +235,9 @@ def test_the_async_engine_compiles_off_the_engine_thread_and_rejects_before_any_
         return [c async for c in engine.generate(request)]
 
     try:
-        ok = GenerateRequest("ok", (5, 6, 7), SamplingParams(max_tokens=MAX_TOKENS, guide=Guide("choice", '["yes", "no"]')))
+        ok = GenerateRequest(
+            "ok", (5, 6, 7), SamplingParams(max_tokens=MAX_TOKENS, guide=Guide("choice", '["yes", "no"]'))
+        )
         chunks = asyncio.run(collect(ok))
         assert "".join(c.text for c in chunks) in ("yes", "no") and chunks[-1].finish_reason == "stop"
         bad = GenerateRequest("bad", (5, 6, 7), SamplingParams(guide=Guide("regex", "(")))
@@ -215,11 +253,19 @@ def test_steps_launched_ahead_with_constrained_rows_draw_what_steps_run_in_turn_
     rows is launched ahead and drawn once the previous tokens advanced the matchers; requests end
     meanwhile (their rows are dropped from the step taken)."""
     rng = random.Random(8)
-    requests = [GenerateRequest(f"g{i}", _prompt(rng), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=i,
-                                                                     guide=_schema_guide(s)), [None, "a"][i % 2])
-                for i, s in enumerate(random_schemas(5, seed=41))]
-    requests += [GenerateRequest("p", _prompt(rng), SamplingParams(max_tokens=9, temperature=0.0), "a"),
-                 GenerateRequest("s", _prompt(rng), SamplingParams(max_tokens=25, temperature=1.0, seed=3))]
+    requests = [
+        GenerateRequest(
+            f"g{i}",
+            _prompt(rng),
+            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=i, guide=_schema_guide(s)),
+            [None, "a"][i % 2],
+        )
+        for i, s in enumerate(random_schemas(5, seed=41))
+    ]
+    requests += [
+        GenerateRequest("p", _prompt(rng), SamplingParams(max_tokens=9, temperature=0.0), "a"),
+        GenerateRequest("s", _prompt(rng), SamplingParams(max_tokens=25, temperature=1.0, seed=3)),
+    ]
     out = {}
     for ahead in (True, False):
         engine = _engine(model, adapters, max_num_seqs=8, prefix_caching=False)
@@ -272,9 +318,16 @@ def test_n_choices_with_penalties_each_follow_their_own_grammar_as_alone(model, 
     """n = 2 with penalties and logit_bias beside the guide: each choice has a grammar state of its own
     (the forks share prompt blocks, not matchers), is valid, and equals that choice requested alone."""
     schema = random_schemas(4, seed=31)[3]
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=13, guide=_schema_guide(schema),
-                            presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
-                            logit_bias=((90, 5.0), (1000, -3.0)))
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=13,
+        guide=_schema_guide(schema),
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias=((90, 5.0), (1000, -3.0)),
+    )
     request = GenerateRequest("n", tuple(range(400, 420)), params, "a", n=2)
     config = dict(prefix_caching=False, dtype=torch.float64)  # a fork recomputes its last prompt block: no fp32 flips
     together = _choices(_engine(model, adapters, **config), request)

@@ -3,6 +3,7 @@ processes over gloo) generates what the single-process engine does, token for to
 batches mixing several adapters (LoRA on all seven projections) and base rows; under
 Ray Serve a TP-2 replica is one replica (one placement group of two bundles) whose
 answers equal the single-process engine's."""
+
 import dataclasses
 import random
 import shutil
@@ -35,8 +36,10 @@ def cfg(tiny_model_dir):
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-adapters")
-    return {name: make_random_adapter(tiny_model_dir, root / name, rank=r, targets=TARGET_MODULES, seed=10 + i)
-            for i, (name, r) in enumerate(RANKS.items())}
+    return {
+        name: make_random_adapter(tiny_model_dir, root / name, rank=r, targets=TARGET_MODULES, seed=10 + i)
+        for i, (name, r) in enumerate(RANKS.items())
+    }
 
 
 def test_adapter_shards_gather_to_the_original_bit_for_bit(cfg, adapters):
@@ -83,10 +86,15 @@ def test_step_messages_rebuild_the_inputs_exactly():
     g = torch.Generator().manual_seed(3)
     ints = lambda *shape, dtype=torch.long: torch.randint(0, 99, shape, generator=g, dtype=dtype)  # noqa: E731
     mask = torch.zeros(2, 1, 3, 16).masked_fill_(torch.rand(2, 1, 3, 16, generator=g) > 0.5, float("-inf"))
-    lora = LoraSegments(ints(4, dtype=torch.int32), {m: ints(3, dtype=torch.int32) for m in TARGET_MODULES},
-                        {m: ((0, 5, 1, 8, 0.3 / 7), (5, 9, 2, 16, 2.0)) for m in TARGET_MODULES})
-    paged = PagedBatch(PrefillRows(ints(), ints(3, dtype=torch.int32), ints(3, dtype=torch.int32), ints(40), 7, 33),
-                       DecodeRows(9, ints(2, 5, dtype=torch.int32), ints(2, dtype=torch.int32), 4))
+    lora = LoraSegments(
+        ints(4, dtype=torch.int32),
+        {m: ints(3, dtype=torch.int32) for m in TARGET_MODULES},
+        {m: ((0, 5, 1, 8, 0.3 / 7), (5, 9, 2, 16, 2.0)) for m in TARGET_MODULES},
+    )
+    paged = PagedBatch(
+        PrefillRows(ints(), ints(3, dtype=torch.int32), ints(3, dtype=torch.int32), ints(40), 7, 33),
+        DecodeRows(9, ints(2, 5, dtype=torch.int32), ints(2, dtype=torch.int32), 4),
+    )
     groups = (AttentionGroup(ints(2, 3), ints(2, 16), mask, ints(5), ints(5)),)
     for attention, segs in ((groups, lora), (paged, None), (PagedBatch(None, paged.decode), lora)):
         inputs = StepInputs(ints(9), ints(9), ints(9), attention, ints(2), segs)
@@ -96,7 +104,9 @@ def test_step_messages_rebuild_the_inputs_exactly():
             if isinstance(a, torch.Tensor):
                 return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
             if dataclasses.is_dataclass(a):
-                return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+                return type(a) is type(b) and all(
+                    same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+                )
             if isinstance(a, dict):
                 return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
             if isinstance(a, tuple):
@@ -119,7 +129,9 @@ def _generate(engine, jobs, base_only=False):
     requests = {}
     for step, rid, adapter, prompt, n in jobs:
         params = SamplingParams(max_tokens=n, temperature=0.0)
-        requests.setdefault(step, []).append(GenerateRequest(rid, tuple(prompt), params, None if base_only else adapter))
+        requests.setdefault(step, []).append(
+            GenerateRequest(rid, tuple(prompt), params, None if base_only else adapter)
+        )
     tokens, _, migrates = run_to_completion(engine, requests)
     assert not migrates
     return tokens
@@ -127,6 +139,7 @@ def _generate(engine, jobs, base_only=False):
 
 def _fail_one_step(engine):
     """Rank 0 fails after the worker started the step: the ranks are out of step for good."""
+
     def fail(inputs, kv):
         raise RuntimeError("injected")
 
@@ -188,12 +201,23 @@ def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, singl
 
     model = shutil.copytree(tiny_model_dir, tmp_path / "tiny-tp")
     _word_tokenizer(model)
-    args = config_args(model=str(model), model_name="tiny", dtype="float32", device="cpu", tensor_parallel_size=2,
-                       max_lora_rank=ENGINE.max_lora_rank, max_loras=ENGINE.max_loras, num_kv_blocks=ENGINE.num_kv_blocks,
-                       block_size=ENGINE.block_size, max_tokens_per_step=ENGINE.max_tokens_per_step,
-                       adapter_dirs=[str(next(iter(adapters.values())).parent)], api_keys=[], admin_key=None,
-                       replica={"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
-                       ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}})
+    args = config_args(
+        model=str(model),
+        model_name="tiny",
+        dtype="float32",
+        device="cpu",
+        tensor_parallel_size=2,
+        max_lora_rank=ENGINE.max_lora_rank,
+        max_loras=ENGINE.max_loras,
+        num_kv_blocks=ENGINE.num_kv_blocks,
+        block_size=ENGINE.block_size,
+        max_tokens_per_step=ENGINE.max_tokens_per_step,
+        adapter_dirs=[str(next(iter(adapters.values())).parent)],
+        api_keys=[],
+        admin_key=None,
+        replica={"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}},
+        ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
+    )
     assert parse_args(args, "tiny").replica_options["placement_group_bundles"] == [{"CPU": 1}, {"CPU": 1}]
     jobs = [(rid, adapter, prompt, n) for _, rid, adapter, prompt, n in _jobs()[:7]]
     with serving({APP: (build_app(args), "/")}, num_cpus=3) as url:
@@ -208,7 +232,9 @@ def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, singl
         status = serve.status().applications[APP].deployments["LoraReplica"]
         groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
         stats = replica_stats()
-        workers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("tp-worker-")]
+        workers = [
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("tp-worker-")
+        ]
     for (rid, adapter, _, _), answer in zip(jobs, answers):
         assert [int(word[1:]) for word in answer.choices[0].text.split()] == single[0][rid], f"{rid} ({adapter})"
     assert status.replica_states == {"RUNNING": 1}

@@ -4,6 +4,7 @@ is parsed, the JSON schema that `required` / named choices are constrained to (v
 pass, invalid ones fail, and both grammar engines compile it), template rendering of tools and
 tool messages, and the chat responses and stream chunks (validated as the `openai` client's
 types) carrying the same calls whether streamed or not."""
+
 import dataclasses
 import json
 import random
@@ -46,17 +47,20 @@ def support(tools_tokenizer):
 
 
 # -- request validation ---------------------------------------------------------------------
-@pytest.mark.parametrize("fields, says", [
-    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not in tools"),
-    (dict(tool_choice="required"), "tool_choice needs tools"),
-    (dict(tools=[]), "at least 1"),
-    (dict(tools=[ADD, ADD]), "unique"),
-    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "pattern"),
-    (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
-    (dict(functions=[ADD["function"]]), "use tools"),
-    (dict(messages=[{"role": "tool", "content": "5"}]), "tool_call_id"),
-    (dict(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "only assistant"),
-])
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "not in tools"),
+        (dict(tool_choice="required"), "tool_choice needs tools"),
+        (dict(tools=[]), "at least 1"),
+        (dict(tools=[ADD, ADD]), "unique"),
+        (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "pattern"),
+        (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
+        (dict(functions=[ADD["function"]]), "use tools"),
+        (dict(messages=[{"role": "tool", "content": "5"}]), "tool_call_id"),
+        (dict(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "only assistant"),
+    ],
+)
 def test_bad_tool_requests_are_refused_by_name(fields, says):
     with pytest.raises(RequestValidationError) as err:
         _body(**fields)
@@ -120,14 +124,31 @@ def test_required_schema_accepts_exactly_valid_calls():
     jsonschema.Draft202012Validator.check_schema(schema)
     rng = random.Random(0)
     for _ in range(100):
-        calls = [rng.choice([{"name": "add", "arguments": {"a": rng.randint(-1000, 1000), "b": rng.randint(-1000, 1000)}},
-                             {"name": "get_weather", "arguments": {"city": "Paris"[:rng.randint(1, 5)],
-                                                                   "unit": rng.choice(["celsius", "fahrenheit"])}}])
-                 for _ in range(rng.randint(1, 3))]
+        calls = [
+            rng.choice(
+                [
+                    {"name": "add", "arguments": {"a": rng.randint(-1000, 1000), "b": rng.randint(-1000, 1000)}},
+                    {
+                        "name": "get_weather",
+                        "arguments": {
+                            "city": "Paris"[: rng.randint(1, 5)],
+                            "unit": rng.choice(["celsius", "fahrenheit"]),
+                        },
+                    },
+                ]
+            )
+            for _ in range(rng.randint(1, 3))
+        ]
         assert _valid(schema, calls)
-    for bad in ([], [{"name": "add", "arguments": {"a": 1}}], [{"name": "mul", "arguments": {"a": 1, "b": 2}}],
-                [{"name": "add", "arguments": {"a": 1, "b": 2}, "x": 1}], [{"name": "get_weather", "arguments": {"a": 1, "b": 2}}],
-                {"name": "add", "arguments": {"a": 1, "b": 2}}, [{"name": "add", "parameters": {"a": 1, "b": 2}}]):
+    for bad in (
+        [],
+        [{"name": "add", "arguments": {"a": 1}}],
+        [{"name": "mul", "arguments": {"a": 1, "b": 2}}],
+        [{"name": "add", "arguments": {"a": 1, "b": 2}, "x": 1}],
+        [{"name": "get_weather", "arguments": {"a": 1, "b": 2}}],
+        {"name": "add", "arguments": {"a": 1, "b": 2}},
+        [{"name": "add", "parameters": {"a": 1, "b": 2}}],
+    ):
         assert not _valid(schema, bad), bad
 
 
@@ -142,8 +163,19 @@ def test_named_and_single_call_schemas():
 
 def test_parameter_defs_are_hoisted_per_tool():
     def tool(name, inner):
-        return {"type": "function", "function": {"name": name, "parameters": {
-            "type": "object", "properties": {"v": {"$ref": "#/$defs/V"}}, "required": ["v"], "$defs": {"V": inner}}}}
+        return {
+            "type": "function",
+            "function": {
+                "name": name,
+                "parameters": {
+                    "type": "object",
+                    "properties": {"v": {"$ref": "#/$defs/V"}},
+                    "required": ["v"],
+                    "$defs": {"V": inner},
+                },
+            },
+        }
+
     schema = calls_schema([tool("f", {"type": "integer"}), tool("g", {"type": "string"})], "arguments", None)
     assert _valid(schema, [{"name": "f", "arguments": {"v": 1}}, {"name": "g", "arguments": {"v": "s"}}])
     assert not _valid(schema, [{"name": "f", "arguments": {"v": "s"}}])
@@ -166,12 +198,19 @@ def test_the_grammar_engine_compiles_the_schema_and_accepts_a_call(tools_tokeniz
 # -- rendering ------------------------------------------------------------------------------------
 def test_template_renders_tools_calls_and_results(tools_tokenizer):
     messages = USER + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
     body = _body(messages=messages, tools=TOOLS)
-    text = tools_tokenizer.apply_chat_template(body.chat(), tools=body.template_tools(), add_generation_prompt=True,
-                                               tokenize=False)
+    text = tools_tokenizer.apply_chat_template(
+        body.chat(), tools=body.template_tools(), add_generation_prompt=True, tokenize=False
+    )
     assert json.dumps(TOOLS[0]) in text and json.dumps(TOOLS[1]) in text
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in text
     assert "<tool_response>\n5\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
@@ -186,7 +225,7 @@ def _chunks(tok, text, rng, finish="stop"):
     for a, b in zip([0] + cuts, cuts + [len(ids)]):
         now = tok.decode(ids[:b])
         now = now if b == len(ids) else now.rstrip("\ufffd")
-        out.append(TokenChunk("r", tuple(ids[a:b]), now[len(sent):], None, finish if b == len(ids) else None, 9, b))
+        out.append(TokenChunk("r", tuple(ids[a:b]), now[len(sent) :], None, finish if b == len(ids) else None, 9, b))
         sent = now
     return out
 
@@ -200,20 +239,33 @@ def _stream(chunks):
         content += choice["delta"].get("content") or ""
         for d in choice["delta"].get("tool_calls", []):
             if "id" in d:
-                calls.append({"id": d["id"], "type": d["type"], "function": {"name": d["function"]["name"], "arguments": ""}})
+                calls.append(
+                    {"id": d["id"], "type": d["type"], "function": {"name": d["function"]["name"], "arguments": ""}}
+                )
             calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
         finish = choice["finish_reason"] or finish
     return content or None, calls, finish
 
 
-@pytest.mark.parametrize("choice, text, finish", [
-    ("auto", 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
-             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>', "tool_calls"),
-    ("auto", "Paris is sunny, and 2+3 is 5.", "stop"),
-    ("required", '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
-                 '{"name": "add", "arguments": {"a": 2, "b": 3}}]', "tool_calls"),
-    (NAMED, '[{"name": "add", "arguments": {"a": 2, "b": 3}}]', "tool_calls"),
-])
+@pytest.mark.parametrize(
+    "choice, text, finish",
+    [
+        (
+            "auto",
+            'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+            "tool_calls",
+        ),
+        ("auto", "Paris is sunny, and 2+3 is 5.", "stop"),
+        (
+            "required",
+            '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+            '{"name": "add", "arguments": {"a": 2, "b": 3}}]',
+            "tool_calls",
+        ),
+        (NAMED, '[{"name": "add", "arguments": {"a": 2, "b": 3}}]', "tool_calls"),
+    ],
+)
 def test_streamed_and_whole_answers_carry_the_same_calls(support, tools_tokenizer, choice, text, finish):
     rng = random.Random(text)
     plan = support.plan(TOOLS, choice, True, False)
@@ -225,8 +277,9 @@ def test_streamed_and_whole_answers_carry_the_same_calls(support, tools_tokenize
     assert response["choices"][0]["finish_reason"] == finish
     for _ in range(3):
         streamed = Formatter("id", "m", tools_tokenizer, True, False, tools=[plan.parser(tools_tokenizer)])
-        content, calls, stream_finish = _stream(streamed.first_chunks() +
-                                                [streamed.chunk(c) for c in _chunks(tools_tokenizer, text, rng)])
+        content, calls, stream_finish = _stream(
+            streamed.first_chunks() + [streamed.chunk(c) for c in _chunks(tools_tokenizer, text, rng)]
+        )
         assert (content, stream_finish) == (message["content"], finish)
         strip = [{**c, "id": None} for c in calls]
         assert strip == [{**c, "id": None} for c in message["tool_calls"] or []]
@@ -239,21 +292,28 @@ def test_streamed_and_whole_answers_carry_the_same_calls(support, tools_tokenize
         assert message["content"] == text and message["tool_calls"] is None
 
 
-
-@pytest.mark.parametrize("second, second_finish", [
-    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
-     "tool_calls"),
-    ("It is sunny in Paris.", "stop"),
-])
+@pytest.mark.parametrize(
+    "second, second_finish",
+    [
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+            "tool_calls",
+        ),
+        ("It is sunny in Paris.", "stop"),
+    ],
+)
 def test_each_of_n_choices_parses_its_own_calls(support, tools_tokenizer, second, second_finish):
     """n = 2: each choice's text goes to its own parser, whole or streamed with the choices interleaved."""
     rng = random.Random(second)
     plan = support.plan(TOOLS, "auto", True, False)
     texts = ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>', second]
-    per_choice = [[dataclasses.replace(c, index=i) for c in _chunks(tools_tokenizer, t, rng)]
-                  for i, t in enumerate(texts)]
-    whole, outs = Formatter("id", "m", tools_tokenizer, True, False, n=2, tools=_parsers(plan, tools_tokenizer)), \
-        [Output(), Output()]
+    per_choice = [
+        [dataclasses.replace(c, index=i) for c in _chunks(tools_tokenizer, t, rng)] for i, t in enumerate(texts)
+    ]
+    whole, outs = (
+        Formatter("id", "m", tools_tokenizer, True, False, n=2, tools=_parsers(plan, tools_tokenizer)),
+        [Output(), Output()],
+    )
     for i, chunks in enumerate(per_choice):
         for c in chunks:
             outs[i].add(c)
@@ -261,8 +321,9 @@ def test_each_of_n_choices_parses_its_own_calls(support, tools_tokenizer, second
     assert [c["index"] for c in choices] == [0, 1]
     assert [c["finish_reason"] for c in choices] == ["tool_calls", second_finish]
     first_calls = choices[0]["message"]["tool_calls"]
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in first_calls] == \
-        [("add", {"a": 2, "b": 3})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in first_calls] == [
+        ("add", {"a": 2, "b": 3})
+    ]
     if second_finish == "tool_calls":
         assert [c["function"]["name"] for c in choices[1]["message"]["tool_calls"]] == ["get_weather"]
     else:

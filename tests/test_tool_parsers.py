@@ -2,6 +2,7 @@
 with random calls (random argument values, key orders, layouts) parses back to those calls,
 fed whole or in pieces cut at random places; the streamed deltas follow OpenAI's protocol and
 reassemble to exactly the non-streamed answer; text that is not a call stays content, unchanged."""
+
 import json
 import random
 import shutil
@@ -14,8 +15,26 @@ from app.tool_calls.parse import FORMATS, CallStream, constrained_format
 NAMES = ["get_weather", "add", "search_web"]
 TOOLS = frozenset(NAMES)
 FORMAT_NAMES = ["hermes", "llama3_json", "mistral", "json"]
-TRICKY = ['"', "\\", "}", "{", "]", "[", ";", ",", ":", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "é", "€",
-          "\n", "\t", "\u2028", "😀"]
+TRICKY = [
+    '"',
+    "\\",
+    "}",
+    "{",
+    "]",
+    "[",
+    ";",
+    ",",
+    ":",
+    "<tool_call>",
+    "</tool_call>",
+    "[TOOL_CALLS]",
+    "é",
+    "€",
+    "\n",
+    "\t",
+    "\u2028",
+    "😀",
+]
 
 
 def _fmt(name):
@@ -25,7 +44,7 @@ def _fmt(name):
 def _value(rng, depth=0):
     kind = rng.randrange(7 if depth < 3 else 4)
     if kind == 0:
-        return rng.randint(-10**6, 10**6)
+        return rng.randint(-(10**6), 10**6)
     if kind == 1:
         return "".join(rng.choice(TRICKY + list("abc xyz")) for _ in range(rng.randrange(8)))
     if kind == 2:
@@ -38,12 +57,18 @@ def _value(rng, depth=0):
 
 
 def _calls(rng):
-    return [(rng.choice(NAMES), {f"p{i}": _value(rng) for i in range(rng.randrange(4))}) for _ in range(rng.randint(1, 3))]
+    return [
+        (rng.choice(NAMES), {f"p{i}": _value(rng) for i in range(rng.randrange(4))}) for _ in range(rng.randint(1, 3))
+    ]
 
 
 def _dumps(rng, obj):
-    return json.dumps(obj, indent=rng.choice([None, None, 2]), ensure_ascii=rng.random() < 0.5,
-                      separators=rng.choice([None, (",", ":")]))
+    return json.dumps(
+        obj,
+        indent=rng.choice([None, None, 2]),
+        ensure_ascii=rng.random() < 0.5,
+        separators=rng.choice([None, (",", ":")]),
+    )
 
 
 def _call_object(rng, fmt, name, args):
@@ -119,12 +144,15 @@ def test_text_without_calls_is_content_unchanged(format_name):
             assert parse(fmt, pieces)[:2] == (text, []), repr(text)
 
 
-@pytest.mark.parametrize("text", [
-    '<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>',  # not one of the request's tools
-    '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call> and more',  # no name
-    '<tool_call> not json </tool_call>',
-    'Intro\n<tool_call>\n{"name": "ad',  # cut off before the name is known
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>',  # not one of the request's tools
+        '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call> and more',  # no name
+        "<tool_call> not json </tool_call>",
+        'Intro\n<tool_call>\n{"name": "ad',  # cut off before the name is known
+    ],
+)
 def test_what_is_not_a_call_of_the_tools_stays_content(text):
     rng = random.Random(text)
     for pieces in ([text], _pieces(rng, text), _pieces(rng, text)):
@@ -208,7 +236,7 @@ def test_special_marker_tokens_are_put_back(marker_tokenizer, format_name):
         for a, b in zip([0] + cuts, cuts + [len(ids)]):  # chunks as the engine sends them
             engine_text = tok.decode(ids[:b], skip_special_tokens=True)
             engine_text = engine_text if b == len(ids) else engine_text.rstrip("\ufffd")  # held: a split character
-            deltas.append(stream.feed(restore(ids[a:b], engine_text[len(sent):], final=b == len(ids))))
+            deltas.append(stream.feed(restore(ids[a:b], engine_text[len(sent) :], final=b == len(ids))))
             sent = engine_text
         deltas.append(stream.finish())
         assert "".join(d.content for d in deltas) == prefix.rstrip()

@@ -6,6 +6,7 @@ small template of the Hermes / Qwen2.5 format (tools listed in the system turn i
 <tool_response> in a user turn), faithful to that format but not a copy of Qwen's file. It
 uses the SmolLM2 tokenizer's ChatML tokens, which are Qwen's too.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,18 +43,38 @@ HERMES_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """.strip()
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {
-        "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
-        "b": {"type": "integer", "minimum": -1000, "maximum": 1000}},
-        "required": ["a", "b"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, ADD]
 
 

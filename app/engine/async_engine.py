@@ -8,6 +8,7 @@ a stream whose reader keeps up gets one token per item and a slow reader gets ma
 with no timer holding any token back. Each step and each delivered token is recorded
 in ``telemetry`` (app/engine/telemetry.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -216,9 +217,11 @@ class AsyncEngine:
             now = time.monotonic()
             if chunk.token_ids:
                 first = stream.last_token is None
-                t.tokens(len(chunk.token_ids),
-                         ttft=now - stream.arrival if first and not stream.request.resume_token_ids else None,
-                         gap=None if first else now - stream.last_token)
+                t.tokens(
+                    len(chunk.token_ids),
+                    ttft=now - stream.arrival if first and not stream.request.resume_token_ids else None,
+                    gap=None if first else now - stream.last_token,
+                )
                 stream.last_token = now
             if chunk.finish_reason is not None:
                 t.finished(chunk.finish_reason)

@@ -1,5 +1,6 @@
 """Turn a schedule into StepInputs: prefill rows first, then decode rows, each part
 ordered by adapter so every adapter's rows form one SGMV segment."""
+
 from __future__ import annotations
 
 import torch
@@ -47,13 +48,19 @@ def _segments(order: list[tuple[Sequence, int]], pool) -> LoraSegments | None:
     per_module, host = {}, {}
     for m, has in pool.has_module.items():
         ids = torch.where((slots >= 0) & has[slots.clamp(min=0).long()], slots, -1).to(torch.int32)
-        segs = tuple((bounds[i], bounds[i + 1], s, pool.slot_rank[s], pool.slot_scale[s])
-                     for i, s in enumerate(ids.tolist()) if s >= 0)
+        segs = tuple(
+            (bounds[i], bounds[i + 1], s, pool.slot_rank[s], pool.slot_scale[s])
+            for i, s in enumerate(ids.tolist())
+            if s >= 0
+        )
         if segs:  # modules no adapter of this step has are left out
             per_module[m], host[m] = ids, segs
     return LoraSegments(torch.tensor(bounds, dtype=torch.int32), per_module, host)
 
-def build_step(scheduled: list[tuple[Sequence, int]], pool, block_size: int, device) -> tuple[StepInputs, list[Sequence]]:
+
+def build_step(
+    scheduled: list[tuple[Sequence, int]], pool, block_size: int, device
+) -> tuple[StepInputs, list[Sequence]]:
     """StepInputs for the schedule and the sequences whose next token is sampled (in row order)."""
     by_adapter = lambda item: item[0].lora_slot  # noqa: E731
     prefill = sorted([x for x in scheduled if x[1] > 1], key=by_adapter)
@@ -66,7 +73,9 @@ def build_step(scheduled: list[tuple[Sequence, int]], pool, block_size: int, dev
         ids = seq.token_ids()
         token_ids += ids[start : start + n]
         positions += range(start, start + n)
-        slot_mapping += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        slot_mapping += [
+            seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n)
+        ]
         groups["prefill" if n > 1 else "decode"].append((seq, row, n))
         if start + n == seq.num_tokens:
             sample_rows.append(row + n - 1)
@@ -85,8 +94,9 @@ def build_step(scheduled: list[tuple[Sequence, int]], pool, block_size: int, dev
     return inputs, sampled
 
 
-def build_paged_step(scheduled: list[tuple[Sequence, int]], pool, block_size: int, device, kv_heads: int
-                     ) -> tuple[StepInputs, list[Sequence]]:
+def build_paged_step(
+    scheduled: list[tuple[Sequence, int]], pool, block_size: int, device, kv_heads: int
+) -> tuple[StepInputs, list[Sequence]]:
     """build_step for CUDA: a PagedBatch instead of padded AttentionGroups (block tables and
     lengths for the decode rows, varlen offsets for the prefill rows) and int32 index tensors."""
     by_adapter = lambda item: item[0].lora_slot  # noqa: E731
@@ -109,16 +119,30 @@ def build_paged_step(scheduled: list[tuple[Sequence, int]], pool, block_size: in
             sample_rows.append(row + n - 1)
             sampled.append(seq)
     to = lambda values, dtype=torch.int32: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
-    pre = PrefillRows(cu_q[-1], to(cu_q), to(cu_k), to(kv_index, torch.long),
-                      max(n for _, n in prefill), max(s.num_computed + n for s, n in prefill)) if prefill else None
+    pre = (
+        PrefillRows(
+            cu_q[-1],
+            to(cu_q),
+            to(cu_k),
+            to(kv_index, torch.long),
+            max(n for _, n in prefill),
+            max(s.num_computed + n for s, n in prefill),
+        )
+        if prefill
+        else None
+    )
     dec = None
     if decode:
         width = max(len(s.block_table) for s, _ in decode)
         tables = torch.zeros(len(decode), width, dtype=torch.int32)
         for i, (s, _) in enumerate(decode):
             tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        dec = DecodeRows(len(token_ids) - len(decode), tables.to(device, non_blocking=True),
-                         to([s.num_computed + 1 for s, _ in decode]), decode_splits(len(decode), kv_heads, device))
+        dec = DecodeRows(
+            len(token_ids) - len(decode),
+            tables.to(device, non_blocking=True),
+            to([s.num_computed + 1 for s, _ in decode]),
+            decode_splits(len(decode), kv_heads, device),
+        )
     lora = _segments(order, pool) if pool is not None else None
     inputs = StepInputs(
         token_ids=to(token_ids),

@@ -1,4 +1,5 @@
 """Engine configuration (one frozen dataclass; pydantic lives at the YAML/HTTP boundary)."""
+
 from dataclasses import dataclass
 
 import torch

@@ -1,4 +1,5 @@
 """The engine: add / abort requests, and step() = schedule → run → postprocess."""
+
 from __future__ import annotations
 
 import itertools
@@ -26,8 +27,18 @@ class EngineCore:
         self.config = config
         c = model.cfg
         self.max_model_len = config.max_model_len or c.max_position_embeddings
-        self.allocator = BlockAllocator(config.num_kv_blocks, config.prefix_cache_max_blocks if config.prefix_caching else 0)
-        self.kv = allocate_kv(c.num_layers, config.num_kv_blocks, config.block_size, c.num_kv_heads, c.head_dim, config.dtype, config.device)
+        self.allocator = BlockAllocator(
+            config.num_kv_blocks, config.prefix_cache_max_blocks if config.prefix_caching else 0
+        )
+        self.kv = allocate_kv(
+            c.num_layers,
+            config.num_kv_blocks,
+            config.block_size,
+            c.num_kv_heads,
+            c.head_dim,
+            config.dtype,
+            config.device,
+        )
         self.prefix = PrefixCache(self.allocator, model_key(c), config.block_size)
         self.scheduler = Scheduler(config, self.allocator, model.lora_pool, self.prefix)
         if model.lora_pool is not None:  # a first-use kernel compile would stall a step mid-serving
@@ -58,8 +69,9 @@ class EngineCore:
         if guide is not None and grammar is None:
             grammar = self.grammars.compile(guide)
         seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
-        seqs = [self._sequence(request, choice_seed(seed, j), request.index + j, adapter, grammar)
-                for j in range(request.n)]
+        seqs = [
+            self._sequence(request, choice_seed(seed, j), request.index + j, adapter, grammar) for j in range(request.n)
+        ]
         if shared_blocks(seqs[0], self.config.block_size):  # the others fork from the first's prompt blocks
             seqs[0].forks = seqs[1:]
             for seq in seqs[1:]:
@@ -97,7 +109,9 @@ class EngineCore:
                 f"exceeds the model's context length {self.max_model_len}"
             )
         if blocks_for(total, self.config.block_size) > self.config.num_kv_blocks:
-            raise ContextLengthError(f"{total} tokens exceed this replica's KV cache ({self.config.num_kv_blocks} blocks)")
+            raise ContextLengthError(
+                f"{total} tokens exceed this replica's KV cache ({self.config.num_kv_blocks} blocks)"
+            )
 
     def abort(self, request_id: str) -> list[Chunk]:
         """End every choice of the request still here."""
@@ -122,8 +136,10 @@ class EngineCore:
                 self.tokens_computed += n
             self.runner.run_ahead(result, self.scheduler)  # the GPU works on while the host samples
             tokens, logprobs = result.sample()
-            out += [self._fail(s, str(t)) if isinstance(t, SampleError) else self._postprocess(s, t, lp)
-                    for s, t, lp in zip(result.sampled, tokens, logprobs)]
+            out += [
+                self._fail(s, str(t)) if isinstance(t, SampleError) else self._postprocess(s, t, lp)
+                for s, t, lp in zip(result.sampled, tokens, logprobs)
+            ]
             self.steps += 1
             self.max_batch_seen = max(self.max_batch_seen, len(plan.scheduled))
         self.last_batch_size = len(plan.scheduled)
@@ -137,20 +153,31 @@ class EngineCore:
         seq.output_ids.append(token)
         p = seq.params
         past_min = len(seq.output_ids) >= p.min_tokens
-        stop_token = past_min and (token in p.stop_token_ids or (not p.ignore_eos and token in self.model.cfg.eos_token_ids))
+        stop_token = past_min and (
+            token in p.stop_token_ids or (not p.ignore_eos and token in self.model.cfg.eos_token_ids)
+        )
         stop_token = stop_token or (complete and token in seq.grammar.eos_ids)
         visible = seq.output_ids[:-1] if stop_token else seq.output_ids  # a stop token is not text
         text, stop_hit = seq.detok.update(visible, check_stop=past_min)
-        reason = "stop" if stop_token or stop_hit or complete else \
-            "length" if len(seq.output_ids) >= p.max_tokens else None
+        reason = (
+            "stop" if stop_token or stop_hit or complete else "length" if len(seq.output_ids) >= p.max_tokens else None
+        )
         if reason is not None:
             text += "" if stop_hit else seq.detok.flush(visible)
             self._drop(seq)
         return self._chunk(seq, (token,), text, (logprob,) if logprob else None, reason)
 
     def _chunk(self, seq, token_ids, text, logprobs, finish_reason) -> TokenChunk:
-        return TokenChunk(seq.request_id, token_ids, text, logprobs, finish_reason, len(seq.prompt_ids),
-                          len(seq.output_ids), seq.index)
+        return TokenChunk(
+            seq.request_id,
+            token_ids,
+            text,
+            logprobs,
+            finish_reason,
+            len(seq.prompt_ids),
+            len(seq.output_ids),
+            seq.index,
+        )
 
     def _migrate(self, seq: Sequence, reason: str = "kv_cache_exhausted") -> Migrate:
         del self._seqs[seq.key]

@@ -13,6 +13,7 @@ the host and copied in one transfer per step; the host copy is refilled only onc
 transfer is done (a step launched ahead refills it while the GPU still runs the one before).
 A step launched ahead also gets its input tokens on the device, from the previous step's drawn tokens.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,16 @@ class _Bucket:
 
     def __init__(self, size: int, max_blocks: int, modules: list[str], device):
         self.size, self.modules = size, modules
-        parts = {"tokens": size, "positions": size, "slots": size, "lens": size, "tables": size * max_blocks,
-                 "indptr": size + 1, "slot_ids": size * len(modules), "src_rows": size}
+        parts = {
+            "tokens": size,
+            "positions": size,
+            "slots": size,
+            "lens": size,
+            "tables": size * max_blocks,
+            "indptr": size + 1,
+            "slot_ids": size * len(modules),
+            "src_rows": size,
+        }
         self.device_buf = torch.zeros(sum(parts.values()), dtype=torch.int32, device=device)
         self.host_buf = torch.zeros(self.device_buf.numel(), dtype=torch.int32).pin_memory()
         self.dev, self.host, at = {}, {}, 0
@@ -57,10 +66,16 @@ class _Bucket:
     def inputs(self, lora: bool, kv_heads: int) -> StepInputs:
         d = self.dev
         segs = LoraSegments(d["indptr"], {m: d["slot_ids"][j] for j, m in enumerate(self.modules)}, None)
-        return StepInputs(d["tokens"], d["positions"], d["slots"],
-                          PagedBatch(None, DecodeRows(0, d["tables"], d["lens"],
-                                                      decode_splits(self.size, kv_heads, d["tokens"].device))),
-                          self.sample_rows, segs if lora else None)
+        return StepInputs(
+            d["tokens"],
+            d["positions"],
+            d["slots"],
+            PagedBatch(
+                None, DecodeRows(0, d["tables"], d["lens"], decode_splits(self.size, kv_heads, d["tokens"].device))
+            ),
+            self.sample_rows,
+            segs if lora else None,
+        )
 
     def fill_idle(self) -> None:
         """Inputs that touch nothing: no KV written, no context, no LoRA rows."""
@@ -96,12 +111,12 @@ class _Bucket:
             runs.append([-1, self.size - n])
         bounds = np.cumsum([0] + [r for _, r in runs])
         h["indptr"][: len(bounds)] = bounds
-        h["indptr"][len(bounds):] = self.size
+        h["indptr"][len(bounds) :] = self.size
         slots = np.array([s for s, _ in runs])
         for j, m in enumerate(self.modules):
             has = pool.has_module[m].numpy()[np.maximum(slots, 0)]
             h["slot_ids"][j, : len(runs)] = np.where((slots >= 0) & has, slots, -1)
-            h["slot_ids"][j, len(runs):] = -1
+            h["slot_ids"][j, len(runs) :] = -1
         self.device_buf.copy_(self.host_buf, non_blocking=True)
         self.copied.record()
         if next_tokens is not None:
@@ -127,8 +142,12 @@ class DecodeGraphs:
                 self._graphs[(b, lora)] = self._capture(self._buckets[b], lora, mempool)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        log.info("captured %d decode CUDA graphs (batch buckets %s) in %.2f s", len(self._graphs), self.buckets,
-                 self.capture_seconds)
+        log.info(
+            "captured %d decode CUDA graphs (batch buckets %s) in %.2f s",
+            len(self._graphs),
+            self.buckets,
+            self.capture_seconds,
+        )
 
     def _capture(self, bucket: _Bucket, lora: bool, mempool):
         inputs = bucket.inputs(lora, self.model.cfg.num_kv_heads)

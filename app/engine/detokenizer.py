@@ -13,6 +13,7 @@ a token costs one decode, not two). A window whose text ends
 in an incomplete UTF-8 character is not committed, so the next token decodes it again with
 its continuation.
 """
+
 from __future__ import annotations
 
 WINDOW = 16  # tokens a window may span before it restarts at the previous commit
@@ -39,13 +40,13 @@ class Detokenizer:
         """The text of all of ``ids`` (which extend those of the previous call)."""
         if len(ids) == self.read:
             return self.committed
-        window = self._decode(ids[self.context:])
-        new = window[len(self.context_text):] if len(window) > len(self.context_text) else ""
+        window = self._decode(ids[self.context :])
+        new = window[len(self.context_text) :] if len(window) > len(self.context_text) else ""
         if new and not new.endswith("\ufffd"):
             self.committed += new
             previous, self.read = self.read, len(ids)
             if self.read - self.context > WINDOW:  # start the window at the previous commit: one more decode
-                self.context, self.context_text = previous, self._decode(ids[previous:self.read])
+                self.context, self.context_text = previous, self._decode(ids[previous : self.read])
             else:  # the window grows: what it decoded to is the next one's context, no decode needed
                 self.context_text = window
             return self.committed

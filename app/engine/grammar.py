@@ -18,6 +18,7 @@ the shorter tail, and it is one wheel with no dependencies.
 JSON is generated compact with fixed separators (", " and ": "), no free whitespace: a model cannot
 pad the output with whitespace forever, and the same schema always gives the same grammar.
 """
+
 from __future__ import annotations
 
 import json
@@ -76,8 +77,9 @@ class Grammars:
                     raise InvalidRequestError("structured output needs the model's tokenizer and an EOS token")
                 import llguidance.hf
 
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                               eos_token=list(self.eos_ids))
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_ids)
+                )
             return self._tokenizer
 
     def compile(self, guide: Guide):

@@ -8,6 +8,7 @@ it is then shared read-only by reference count, and once no request holds it, it
 cached until a block is needed and it is the least recently used such block. So cached
 blocks count as free: they are taken back before anything else gives way.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -109,5 +110,7 @@ class BlockAllocator:
 def allocate_kv(num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device):
     """Per layer (k, v), each [blocks, block_size, kv_heads, head_dim]."""
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]

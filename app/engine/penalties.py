@@ -13,6 +13,7 @@ Only the m penalised rows are touched: their token ids go up padded into [m, L] 
 and a few elementwise ops over [m, vocab] do the rest. Nothing per row or per token runs in Python on
 the device side; a step without a penalised row builds and runs none of it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,9 +53,13 @@ class Layout:
         pars = [seqs[i].params for i in self.rows]
         outputs = [seqs[i].output_ids for i in self.rows]
         repeats = [p.repetition_penalty != 1.0 for p in pars]
-        self.parts = [np.array(self.rows, dtype=np.float64),
-                      np.array([[p.presence_penalty, p.frequency_penalty, _factor(p.repetition_penalty)] for p in pars]).T.ravel(),
-                      _padded(outputs, vocab)]
+        self.parts = [
+            np.array(self.rows, dtype=np.float64),
+            np.array(
+                [[p.presence_penalty, p.frequency_penalty, _factor(p.repetition_penalty)] for p in pars]
+            ).T.ravel(),
+            _padded(outputs, vocab),
+        ]
         self.out_len = self.parts[-1].size // max(len(self.rows), 1)
         self.prompt_len = 0
         if any(repeats):

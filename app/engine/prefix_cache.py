@@ -14,6 +14,7 @@ computed, for its logits, and a shared block is never written. Blocks are publis
 fill (prompt, resumed and generated tokens alike), so a preempted request that comes back,
 or the next turn of a conversation, finds them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -105,6 +106,6 @@ class PrefixCache:
             tokens = seq.token_ids()
             prev = keys[-1] if keys else root_key(self.model_key, seq.adapter, bs)
             for i in range(len(keys), n):
-                prev = block_key(prev, tokens[i * bs:(i + 1) * bs])
+                prev = block_key(prev, tokens[i * bs : (i + 1) * bs])
                 keys.append(prev)
         return keys

@@ -24,6 +24,7 @@ the device still runs the forward, and step N+2 is queued behind that draw). Lea
 would not do: the next schedule holds it, so the step would be discarded, and a second forward for
 it alone would read the weights twice.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -48,8 +49,13 @@ class Ahead:
         rows = []
         for seq, n in scheduled:
             i = index.get(id(seq), -1)
-            if n != 1 or i < 0 or seq.num_computed != self.positions[i] or not seq.output_ids \
-                    or seq.output_ids[-1] != self.previous.token_of_row(self.src_rows[i]):
+            if (
+                n != 1
+                or i < 0
+                or seq.num_computed != self.positions[i]
+                or not seq.output_ids
+                or seq.output_ids[-1] != self.previous.token_of_row(self.src_rows[i])
+            ):
                 return None
             rows.append(i)
         rows.sort()

@@ -4,6 +4,7 @@ replay of the CUDA graph of the batch's bucket (EngineConfig.cuda_graphs), with 
 step launched ahead where it is certain (app/engine/run_ahead.py); else the AttentionGroup step
 of the CPU path. Either way the step's rows are sampled right behind its logits, on their device
 (app/engine/sampler.py). The model itself knows none of this."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,14 +27,24 @@ class ModelRunner:
         self.model, self.kv, self.config = model, kv, config
         c = model.cfg
         cuda = torch.device(config.device).type == "cuda" and config.tensor_parallel_size == 1
-        self.paged = cuda and paged_attention.supported(model.dtype, c.head_dim, c.num_heads, c.num_kv_heads,
-                                                        config.block_size)
+        self.paged = cuda and paged_attention.supported(
+            model.dtype, c.head_dim, c.num_heads, c.num_kv_heads, config.block_size
+        )
         if self.paged:  # a first-use compile would stall a step mid-serving
             small_ops.warm_up(model.dtype, config.device)
             paged_attention.warm_up(model.dtype, c.head_dim, c.num_heads // c.num_kv_heads, config.device)
-        self.graphs = DecodeGraphs(model, kv, config.max_num_seqs,
-                                   min(blocks_for(max_model_len, config.block_size), config.num_kv_blocks),
-                                   config.block_size, config.device) if self.paged and config.cuda_graphs else None
+        self.graphs = (
+            DecodeGraphs(
+                model,
+                kv,
+                config.max_num_seqs,
+                min(blocks_for(max_model_len, config.block_size), config.num_kv_blocks),
+                config.block_size,
+                config.device,
+            )
+            if self.paged and config.cuda_graphs
+            else None
+        )
         self.readback = Readback(config.max_num_seqs) if self.paged else None
         self.staging = Staging(config.device)
         self.ahead: Ahead | None = None
@@ -80,8 +91,11 @@ class ModelRunner:
 
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits [n, vocab] (fp32) and the n sequences whose next token they give, in row order."""
-        if self.graphs is not None and len(scheduled) <= self.graphs.max_batch and \
-                all(n == 1 and s.num_uncomputed == 1 for s, n in scheduled):
+        if (
+            self.graphs is not None
+            and len(scheduled) <= self.graphs.max_batch
+            and all(n == 1 and s.num_uncomputed == 1 for s, n in scheduled)
+        ):
             order = sorted((s for s, _ in scheduled), key=lambda s: s.lora_slot)
             return self.graphs.run(order), order
         pool, bs, dev = self.model.lora_pool, self.config.block_size, self.config.device

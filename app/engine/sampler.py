@@ -28,6 +28,7 @@ still in range, and its finite flag fails its own request (``SampleError``), nev
 Logprobs are those of the model's own distribution, log_softmax of the raw logits: before logit_bias,
 suppression, penalties, grammar masks and temperature, as vLLM returns them by default (logprobs_mode "raw_logprobs").
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -88,7 +89,9 @@ def adjusted(logits: torch.Tensor, sp: StepSampling) -> torch.Tensor:
         penalize(z, sp.penalties)
     if sp.allowed is not None:
         rows, bits = sp.allowed
-        z.index_copy_(0, rows, torch.where(_unpack(bits, z.shape[-1]), z.index_select(0, rows), z.new_full((), float("-inf"))))
+        z.index_copy_(
+            0, rows, torch.where(_unpack(bits, z.shape[-1]), z.index_select(0, rows), z.new_full((), float("-inf")))
+        )
     return z
 
 

@@ -13,6 +13,7 @@ output `position` of SplitMix64 started at the mixed seed, computed on the host 
 It depends on nothing else: not the batch, its order or size, the CUDA-graph bucket, the device, or
 whether the tokens before were generated here or on another replica before a migration.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -105,8 +106,14 @@ class Staging:
         return out
 
 
-def step_sampling(seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, staging: Staging,
-                  ahead: int = 0, pending: tuple[torch.Tensor, list[int]] | None = None) -> StepSampling:
+def step_sampling(
+    seqs: list[Sequence],
+    eos_ids: tuple[int, ...],
+    vocab: int,
+    staging: Staging,
+    ahead: int = 0,
+    pending: tuple[torch.Tensor, list[int]] | None = None,
+) -> StepSampling:
     """The parameters of the step that samples the next token of each of `seqs` (its rows, in order).
     ahead: tokens each sequence will have gained by then (1 for a step launched before the current
     step's tokens reach the host); pending: then those tokens, on the device (the previous step's drawn
@@ -164,7 +171,11 @@ def step_sampling(seqs: list[Sequence], eos_ids: tuple[int, ...], vocab: int, st
         s.banned = (pairs[: len(banned)], pairs[len(banned) :])
     if bias:
         triples = dev["bias"]
-        s.bias = (triples[: len(bias)].long(), triples[len(bias) : 2 * len(bias)].long(), triples[2 * len(bias) :].float())
+        s.bias = (
+            triples[: len(bias)].long(),
+            triples[len(bias) : 2 * len(bias)].long(),
+            triples[2 * len(bias) :].float(),
+        )
     if layout is not None:
         s.penalties = layout.device(dev["penalties"], pending[0] if pending else None)
     if guided:  # filled here, on the host, while the device runs the step's forward

@@ -12,6 +12,7 @@ KV is computed once and held once. A forked choice keeps its shared blocks while
 a batch slot, and gives them back (becoming a plain request) if it waits for KV blocks or an
 adapter copy (so it holds blocks only while the batch is full); if the first choice leaves
 before its prompt is computed, the others become plain requests."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -143,8 +144,9 @@ class Scheduler:
             self._start(seq, forked)
             self._slot_wait.pop(seq, None)
             n = min(seq.num_uncomputed, budget)
-            seq.block_table += self.allocator.allocate(blocks_for(seq.num_computed + n, self.config.block_size)
-                                                       - len(seq.block_table))
+            seq.block_table += self.allocator.allocate(
+                blocks_for(seq.num_computed + n, self.config.block_size) - len(seq.block_table)
+            )
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
@@ -174,7 +176,7 @@ class Scheduler:
 
     def _fork(self, seq: Sequence) -> None:
         """Give each sibling waiting on ``seq`` a reference to its prompt's full blocks."""
-        shared = seq.block_table[:shared_blocks(seq, self.config.block_size)]
+        shared = seq.block_table[: shared_blocks(seq, self.config.block_size)]
         for child in seq.forks:
             child.fork_of = None
             child.block_table = self.allocator.share(shared)

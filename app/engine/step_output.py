@@ -5,6 +5,7 @@ Every step's rows are sampled on the logits' device as soon as the step is queue
 host memory behind an event: reading them waits for this step's kernels only, so the next decode
 step can already be queued behind them (app/engine/run_ahead.py), fed by the drawn tokens on the device.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,14 @@ def _packed(drawn: Drawn) -> tuple[torch.Tensor, torch.Tensor | None]:
 class DrawnRows:
     """One step's drawn rows: the tokens on the device, and their host copies read on request."""
 
-    def __init__(self, drawn: Drawn, sampling: StepSampling, ints: torch.Tensor, floats: torch.Tensor | None,
-                 done: torch.cuda.Event | None = None):
+    def __init__(
+        self,
+        drawn: Drawn,
+        sampling: StepSampling,
+        ints: torch.Tensor,
+        floats: torch.Tensor | None,
+        done: torch.cuda.Event | None = None,
+    ):
         self.tokens = drawn.tokens  # [n] int64 on the device: the next step's input tokens
         self._sampling, self._ints, self._floats, self._done = sampling, ints, floats, done
         self._values = None
@@ -49,8 +56,11 @@ class DrawnRows:
         info: list[dict | None] = [None] * n
         for j, (row, count) in enumerate(zip(sp.logprob_rows, sp.logprob_counts)):
             values = floats[m + j * top : m + j * top + count]
-            info[row] = {"token_id": tokens[row], "logprob": floats[j],
-                         "top": list(zip(ids[j * top : j * top + count], values))}
+            info[row] = {
+                "token_id": tokens[row],
+                "logprob": floats[j],
+                "top": list(zip(ids[j * top : j * top + count], values)),
+            }
         return tokens, finite, info
 
 
@@ -94,8 +104,10 @@ class StepOutput:
     def sample(self) -> tuple[list[int | SampleError], list[dict | None]]:
         """(token or SampleError, logprob dict or None) for each sampled row."""
         tokens, finite, info = self.drawn.read()
-        return ([tokens[r] if finite[r] else nonfinite(s) for r, s in zip(self.rows, self.sampled)],
-                [info[r] if finite[r] else None for r in self.rows])
+        return (
+            [tokens[r] if finite[r] else nonfinite(s) for r, s in zip(self.rows, self.sampled)],
+            [info[r] if finite[r] else None for r in self.rows],
+        )
 
     def token_of_row(self, row: int) -> int:
         """The token drawn for a row (after sample())."""

@@ -5,6 +5,7 @@ EngineTelemetry; an exporter (app/engine_metrics.py inside a Serve replica)
 takes what accumulated with ``drain()`` once a second and publishes it. Recording
 is a few list appends under a lock, so a step pays no metrics-library cost.
 """
+
 from __future__ import annotations
 
 import threading

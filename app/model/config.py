@@ -1,4 +1,5 @@
 """The base model's shape and per-layer attention settings, read once from an HF config."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -76,10 +77,20 @@ class ModelConfig:
     @property
     def module_dims(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each LoRA-targetable projection."""
-        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        h, q, kv, i = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.intermediate_size,
+        )
         return {
-            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
         }
 
     @property
@@ -104,8 +115,12 @@ def _rope(hf, traits: Traits):
         from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
         rope = Gemma3RotaryEmbedding(hf)
-        return (rope.full_attention_inv_freq.float(), float(rope.full_attention_attention_scaling),
-                rope.sliding_attention_inv_freq.float(), float(rope.sliding_attention_attention_scaling))
+        return (
+            rope.full_attention_inv_freq.float(),
+            float(rope.full_attention_attention_scaling),
+            rope.sliding_attention_inv_freq.float(),
+            float(rope.sliding_attention_attention_scaling),
+        )
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rope = LlamaRotaryEmbedding(hf)

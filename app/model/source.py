@@ -9,6 +9,7 @@ resolved on the node that loads it to a local HF checkpoint directory:
 
 Pickled weights (``*.bin``, ``*.pt``, …) are never loaded: a checkpoint with only those is refused.
 """
+
 from __future__ import annotations
 
 import hashlib

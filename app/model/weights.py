@@ -1,4 +1,5 @@
 """Read an HF checkpoint of a supported family (safetensors) into fused per-layer tensors."""
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,9 @@ class ModelWeights:
 
 def _open_all(ckpt: Path) -> dict[str, torch.Tensor]:
     index = ckpt / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     state = {}
     for name in files:
         with safe_open(str(ckpt / name), framework="pt") as f:
@@ -68,10 +71,14 @@ def load_weights(ckpt: Path, cfg: ModelConfig, dtype: torch.dtype, device: str) 
 
     def layer(i: int) -> LayerWeights:
         p = f"model.layers.{i}."
-        names = ("input_layernorm", "pre_feedforward_layernorm") if t.sandwich_norms else \
-            ("input_layernorm", "post_attention_layernorm")
-        w = LayerWeights(norm(p + names[0] + ".weight"), norm(p + names[1] + ".weight"),
-                         {fused: proj(p, fused) for fused in FUSED})
+        names = (
+            ("input_layernorm", "pre_feedforward_layernorm")
+            if t.sandwich_norms
+            else ("input_layernorm", "post_attention_layernorm")
+        )
+        w = LayerWeights(
+            norm(p + names[0] + ".weight"), norm(p + names[1] + ".weight"), {fused: proj(p, fused) for fused in FUSED}
+        )
         if t.qkv_bias:
             w.bias["qkv"] = torch.cat([get(f"{p}self_attn.{m}.bias") for m in FUSED["qkv"][1]])
         if t.qk_norm:

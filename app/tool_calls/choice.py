@@ -7,6 +7,7 @@ for `required` or a named function the JSON schema the grammar engine holds the 
 array of `{"name": <one of the tools>, "<args key>": <that tool's parameters>}` objects in the
 family's own key (vLLM constrains these choices the same way, whatever the model).
 """
+
 from __future__ import annotations
 
 import copy
@@ -81,16 +82,19 @@ class ToolPlan:
     markers: tuple[tuple[int, str], ...]
 
     def parser(self, tokenizer) -> OutputParser:
-        return OutputParser(CallStream(self.format, self.tools, self.max_calls),
-                            MarkerText(tokenizer, dict(self.markers)))
+        return OutputParser(
+            CallStream(self.format, self.tools, self.max_calls), MarkerText(tokenizer, dict(self.markers))
+        )
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
         """The request's sampling with the calls schema as its guide (required / named choices)."""
         if self.schema is None:
             return params
         if params.guide is not None:
-            raise InvalidRequestError("response_format cannot be combined with tool_choice \"required\" or a named "
-                                      "function: both constrain the output")
+            raise InvalidRequestError(
+                'response_format cannot be combined with tool_choice "required" or a named '
+                "function: both constrain the output"
+            )
         return dataclasses.replace(params, guide=Guide("json_schema", self.schema))
 
 
@@ -107,12 +111,15 @@ class ToolSupport:
         markers = dropped_markers(tokenizer, fmt.markers) if fmt else {}
         return cls(bool(template) and renders_tools(template), fmt, tuple(markers.items()))
 
-    def plan(self, tools: list[dict] | None, choice: str | dict, parallel: bool, tool_messages: bool) -> ToolPlan | None:
+    def plan(
+        self, tools: list[dict] | None, choice: str | dict, parallel: bool, tool_messages: bool
+    ) -> ToolPlan | None:
         """None: a plain answer. Raises InvalidRequestError for what this model cannot do."""
         if (tools or tool_messages) and not self.renders_tools:
             raise InvalidRequestError(
                 "tools are not supported by this model: its chat template does not render `tools` "
-                "(a tools-aware template is needed; see docs/tool_calling.md)")
+                "(a tools-aware template is needed; see docs/tool_calling.md)"
+            )
         if not tools or choice == "none":
             return None
         max_calls = None if parallel else 1
@@ -120,10 +127,13 @@ class ToolSupport:
             if self.format is None:
                 raise InvalidRequestError(
                     'tool_choice "auto" needs a tool-call parser, and none fits this model\'s chat template: '
-                    'set tool_parser (hermes, llama3_json, mistral) in the app args, or use tool_choice '
-                    '"required" or a named function')
+                    "set tool_parser (hermes, llama3_json, mistral) in the app args, or use tool_choice "
+                    '"required" or a named function'
+                )
             return ToolPlan(self.format, _names(tools), max_calls, None, self.markers)
-        chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+        chosen = (
+            tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+        )
         fmt = constrained_format(self.format)
         schema = calls_schema(chosen, fmt.args_key, 1 if choice != "required" else max_calls)
         # Keys keep their order (not sorted): property order is generation order for the grammar engines,
@@ -143,9 +153,14 @@ def calls_schema(tools: list[dict], args_key: str, max_items: int | None) -> dic
         function = tool["function"]
         parameters, own_defs = _hoist(function.get("parameters") or NO_PARAMETERS, function["name"])
         defs.update(own_defs)
-        variants.append({"type": "object",
-                         "properties": {"name": {"type": "string", "enum": [function["name"]]}, args_key: parameters},
-                         "required": ["name", args_key], "additionalProperties": False})
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [function["name"]]}, args_key: parameters},
+                "required": ["name", args_key],
+                "additionalProperties": False,
+            }
+        )
     schema = {"type": "array", "items": variants[0] if len(variants) == 1 else {"anyOf": variants}, "minItems": 1}
     if max_items is not None:
         schema["maxItems"] = max_items
@@ -177,5 +192,5 @@ def _ref(ref, name: str):
         return ref
     for key in _DEFS:
         if ref.startswith(f"#/{key}/"):
-            return f"#/$defs/{name}__{ref[len(key) + 3:]}"
+            return f"#/$defs/{name}__{ref[len(key) + 3 :]}"
     raise InvalidRequestError(f"tool {name!r}: parameters may only reference their own #/$defs/..., not {ref!r}")

@@ -7,6 +7,7 @@ marker token at output position k goes back at the character position where the 
 output's first k tokens ends. Decoding a prefix costs one tokenizer call per marker (a few per
 answer); text the detokenizer held back is accounted for, since positions are absolute.
 """
+
 from __future__ import annotations
 
 
@@ -15,8 +16,7 @@ def dropped_markers(tokenizer, markers: tuple[str, ...]) -> dict[int, str]:
     out = {}
     for marker in markers:
         ids = tokenizer.encode(marker, add_special_tokens=False)
-        if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == "" \
-                and tokenizer.decode(ids) == marker:
+        if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == "" and tokenizer.decode(ids) == marker:
             out[ids[0]] = marker
     return out
 

@@ -14,6 +14,7 @@ turn out to be part of a call (a marker's prefix, a call object before its name)
 until it is decided; whitespace around calls is not content. A call object without a name of
 one of the request's tools makes it and the rest of the output plain content.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -128,8 +129,15 @@ class CallStream:
     def _step(self) -> bool:
         if not self.pending:
             return False
-        return (self._in_content, self._run_start, self._object_start, self._in_call, self._after_call,
-                self._in_text, self._discard)[self.mode]()
+        return (
+            self._in_content,
+            self._run_start,
+            self._object_start,
+            self._in_call,
+            self._after_call,
+            self._in_text,
+            self._discard,
+        )[self.mode]()
 
     def _in_content(self) -> bool:
         text, fmt = self.pending, self.fmt
@@ -139,17 +147,17 @@ class CallStream:
                 return False
             self.fresh = False
             if fmt.bare and not self.calls and stripped[0] == fmt.bare:
-                return self._begin_run(stripped, text[:len(text) - len(stripped)])
+                return self._begin_run(stripped, text[: len(text) - len(stripped)])
             text = stripped if self.calls else text
         at = text.find(fmt.open) if fmt.open else -1
         if at >= 0:
             before = text[:at].rstrip(_SPACE)
             self._content(before)
-            return self._begin_run(text[at + len(fmt.open):], text[len(before):at + len(fmt.open)])
+            return self._begin_run(text[at + len(fmt.open) :], text[len(before) : at + len(fmt.open)])
         keep = _partial_marker(text, fmt.open)
-        keep += _trailing_space(text[:len(text) - keep])  # whitespace before a marker is not content
-        self._content(text[:len(text) - keep])
-        self.pending = text[len(text) - keep:]
+        keep += _trailing_space(text[: len(text) - keep])  # whitespace before a marker is not content
+        self._content(text[: len(text) - keep])
+        self.pending = text[len(text) - keep :]
         return False
 
     def _begin_run(self, rest: str, opening: str) -> bool:
@@ -179,7 +187,7 @@ class CallStream:
             return None
         if text[0] != char:
             return False
-        self.unsure += self.pending[:len(self.pending) - len(text)]
+        self.unsure += self.pending[: len(self.pending) - len(text)]
         self.pending = text
         return True
 
@@ -211,7 +219,7 @@ class CallStream:
             return False  # part of the close marker
         self.mode, self.fresh = _CONTENT, True
         if fmt.close and text.startswith(fmt.close):
-            self.pending = text[len(fmt.close):]
+            self.pending = text[len(fmt.close) :]
         elif fmt.separator and text[0] == fmt.separator:
             self.pending, self.mode = text[1:], _OBJECT
         elif fmt.array and text[0] == "]":

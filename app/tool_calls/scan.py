@@ -8,6 +8,7 @@ value is reported whole at its end: a string holding JSON (some models encode th
 so) as its decoded text, anything else as written. Only top-level keys count; `parameters` is
 Llama 3's name for `arguments`.
 """
+
 from __future__ import annotations
 
 import json

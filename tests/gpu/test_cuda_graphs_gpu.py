@@ -2,6 +2,7 @@
 run eagerly, at every bucket, for Distinct, mixed-rank and base+LoRA batches (random KV
 contents, block tables and lengths); the engine with graphs on generates what it generates
 with them off, and with decode steps launched ahead what it generates running them in turn."""
+
 import random
 import time
 
@@ -24,21 +25,44 @@ def model_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-                      initializer_range=0.05, tie_word_embeddings=False, eos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+    )
     path = tmp_path_factory.mktemp("graph-llama")
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    adapters = {f"a{i}": make_random_adapter(path, path / "adapters" / f"a{i}", rank=r,
-                                             targets=ALL if i % 2 == 0 else ["q_proj", "v_proj", "down_proj"], seed=i)
-                for i, r in enumerate(RANKS)}
+    adapters = {
+        f"a{i}": make_random_adapter(
+            path,
+            path / "adapters" / f"a{i}",
+            rank=r,
+            targets=ALL if i % 2 == 0 else ["q_proj", "v_proj", "down_proj"],
+            seed=i,
+        )
+        for i, r in enumerate(RANKS)
+    }
     return path, adapters
 
 
 def _engine(model_dir, dtype, graphs=True, max_batch=32):
     path, adapters = model_dir
-    cfg = EngineConfig(max_num_seqs=max_batch, max_lora_rank=64, max_loras=8, num_kv_blocks=1024, dtype=dtype,
-                       device="cuda", cuda_graphs=graphs)
+    cfg = EngineConfig(
+        max_num_seqs=max_batch,
+        max_lora_rank=64,
+        max_loras=8,
+        num_kv_blocks=1024,
+        dtype=dtype,
+        device="cuda",
+        cuda_graphs=graphs,
+    )
     return build_engine(path, cfg, {k: str(v) for k, v in adapters.items()}, tokenizer=None)
 
 
@@ -67,8 +91,11 @@ def _decode_rows(n, slots_of_rows, rng, max_len=1500, blocks=1024):
     rows = []
     for i in range(n):
         length = rng.randint(1, min(max_len, 16 * blocks // n - 16))
-        seq = Sequence(GenerateRequest(f"r{i}", tuple(rng.randrange(512) for _ in range(length)),
-                                       SamplingParams(max_tokens=4)), 0, i)
+        seq = Sequence(
+            GenerateRequest(f"r{i}", tuple(rng.randrange(512) for _ in range(length)), SamplingParams(max_tokens=4)),
+            0,
+            i,
+        )
         seq.num_computed = length - 1
         seq.block_table = [free.pop() for _ in range(-(-length // 16))]
         seq.lora_slot = slots_of_rows[i]
@@ -110,9 +137,17 @@ def test_engine_with_graphs_generates_what_it_does_without(model_dir):
     other kernels for other row counts, so tokens are compared, not logits)."""
     rng = random.Random(2)
     names = [None, *sorted(model_dir[1])]
-    requests = {0: [GenerateRequest(f"g{i}", tuple(rng.randrange(512) for _ in range(rng.randint(3, 80))),
-                                    SamplingParams(max_tokens=16, temperature=0.0), names[i % len(names)])
-                    for i in range(20)]}
+    requests = {
+        0: [
+            GenerateRequest(
+                f"g{i}",
+                tuple(rng.randrange(512) for _ in range(rng.randint(3, 80))),
+                SamplingParams(max_tokens=16, temperature=0.0),
+                names[i % len(names)],
+            )
+            for i in range(20)
+        ]
+    }
     out = {}
     for graphs in (True, False):
         out[graphs], _, _ = run_to_completion(_engine(model_dir, torch.float16, graphs), requests)
@@ -133,9 +168,18 @@ def test_steps_launched_ahead_generate_what_steps_run_in_turn_do(model_dir):
     same buckets): bit-identical tokens with and without launching ahead, most steps taken ahead."""
     rng = random.Random(3)
     names = [None, *sorted(model_dir[1])]
-    requests = {k: [GenerateRequest(f"s{k}_{i}", tuple(rng.randrange(512) for _ in range(rng.randint(3, 60))),
-                                    SamplingParams(max_tokens=24, temperature=0.0), names[(i + k) % len(names)])
-                    for i in range(12)] for k in (0, 30)}
+    requests = {
+        k: [
+            GenerateRequest(
+                f"s{k}_{i}",
+                tuple(rng.randrange(512) for _ in range(rng.randint(3, 60))),
+                SamplingParams(max_tokens=24, temperature=0.0),
+                names[(i + k) % len(names)],
+            )
+            for i in range(12)
+        ]
+        for k in (0, 30)
+    }
     on, reasons_on, taken = _generate(model_dir, requests, ahead=True)
     off, reasons_off, _ = _generate(model_dir, requests, ahead=False)
     assert on == off and reasons_on == reasons_off
@@ -150,9 +194,16 @@ def test_steps_launched_ahead_with_stops_sampling_and_logprobs(model_dir):
     rng = random.Random(4)
     names = [None, *sorted(model_dir[1])]
     base = {f"r{i}": tuple(rng.randrange(512) for _ in range(rng.randint(3, 60))) for i in range(24)}
-    plain, _, _ = _generate(model_dir, {0: [GenerateRequest(r, p, SamplingParams(max_tokens=20, temperature=0.0),
-                                                            names[i % len(names)])
-                                            for i, (r, p) in enumerate(base.items())]}, ahead=False)
+    plain, _, _ = _generate(
+        model_dir,
+        {
+            0: [
+                GenerateRequest(r, p, SamplingParams(max_tokens=20, temperature=0.0), names[i % len(names)])
+                for i, (r, p) in enumerate(base.items())
+            ]
+        },
+        ahead=False,
+    )
 
     def params(i, rid):
         if i % 6 == 1:
@@ -161,9 +212,12 @@ def test_steps_launched_ahead_with_stops_sampling_and_logprobs(model_dir):
             return SamplingParams(max_tokens=20, temperature=0.0, logprobs=2)
         stop = (plain[rid][5 + i % 7],) if i % 3 == 0 else ()  # ends partway for sure
         return SamplingParams(max_tokens=8 + i, temperature=0.0, stop_token_ids=stop)
+
     requests = {}
     for i, (rid, prompt) in enumerate(base.items()):
-        requests.setdefault(3 * (i // 8), []).append(GenerateRequest(rid, prompt, params(i, rid), names[i % len(names)]))
+        requests.setdefault(3 * (i // 8), []).append(
+            GenerateRequest(rid, prompt, params(i, rid), names[i % len(names)])
+        )
     on, reasons_on, taken = _generate(model_dir, requests, ahead=True)
     off, reasons_off, _ = _generate(model_dir, requests, ahead=False)
     same = sum(on[r] == off[r] and reasons_on[r] == reasons_off[r] for r in on)

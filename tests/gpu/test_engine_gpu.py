@@ -1,5 +1,6 @@
 """The whole engine on CUDA (SGMV kernels, fp16/bf16) against HF transformers + PEFT on
 the same GPU: greedy tokens of a mixed-adapter batch."""
+
 import random
 
 import pytest
@@ -25,12 +26,23 @@ def gpu_model(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                      initializer_range=0.05, tie_word_embeddings=False, eos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+    )
     path = tmp_path_factory.mktemp("gpu-llama")
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    adapters = {n: make_random_adapter(path, path / "adapters" / n, seed=i, **kw) for i, (n, kw) in enumerate(ADAPTERS.items())}
+    adapters = {
+        n: make_random_adapter(path, path / "adapters" / n, seed=i, **kw) for i, (n, kw) in enumerate(ADAPTERS.items())
+    }
     return path, adapters
 
 
@@ -67,18 +79,26 @@ def test_engine_on_gpu_matches_peft(gpu_model, dtype):
     legitimately diverge after it), and most requests match exactly end to end."""
     path, adapters = gpu_model
     cfg = EngineConfig(max_lora_rank=64, max_loras=4, num_kv_blocks=256, dtype=dtype, device="cuda")
-    check_mixed_batch_matches_peft(build_engine(path, cfg, {k: str(v) for k, v in adapters.items()}, tokenizer=None),
-                                   path, adapters, dtype, vocab=512)
+    check_mixed_batch_matches_peft(
+        build_engine(path, cfg, {k: str(v) for k, v in adapters.items()}, tokenizer=None),
+        path,
+        adapters,
+        dtype,
+        vocab=512,
+    )
 
 
-def check_mixed_batch_matches_peft(engine, path, adapters, dtype, vocab, names=None, max_prompt=60,
-                                   attn_implementation=None, min_exact=None):
+def check_mixed_batch_matches_peft(
+    engine, path, adapters, dtype, vocab, names=None, max_prompt=60, attn_implementation=None, min_exact=None
+):
     """The check above, for an engine over the checkpoint ``path`` with ``adapters`` registered;
     one request per entry of ``names`` (adapter or None), prompts of 4 to max_prompt tokens;
     at least ``min_exact`` of them exact end to end (default: 3/4 in fp16, 1/2 in bf16)."""
     rng = random.Random(0)
     names = names or [None, *adapters, *adapters, None, "qv8", "all16"]
-    jobs = [(f"g{i}", a, [rng.randrange(vocab) for _ in range(rng.randint(4, max_prompt))]) for i, a in enumerate(names)]
+    jobs = [
+        (f"g{i}", a, [rng.randrange(vocab) for _ in range(rng.randint(4, max_prompt))]) for i, a in enumerate(names)
+    ]
     requests = {}
     for i, (rid, a, p) in enumerate(jobs):
         req = GenerateRequest(rid, tuple(p), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), a)
@@ -88,8 +108,12 @@ def check_mixed_batch_matches_peft(engine, path, adapters, dtype, vocab, names=N
     for rid, a, p in jobs:
         adapter = adapters[a] if a else None
         seq = p + tokens[rid]
-        t, within = _first_disagreement(p, tokens[rid], _hf_logits(path, adapter, seq, dtype, attn_implementation),
-                                        _hf_logits(path, adapter, seq, torch.float32, attn_implementation))
+        t, within = _first_disagreement(
+            p,
+            tokens[rid],
+            _hf_logits(path, adapter, seq, dtype, attn_implementation),
+            _hf_logits(path, adapter, seq, torch.float32, attn_implementation),
+        )
         exact += t is None
         report.append((rid, a, t, within))
     print(dtype, "graphs" if engine.runner.graphs else "eager", report)

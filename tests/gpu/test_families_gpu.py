@@ -1,6 +1,7 @@
 """Every supported family on CUDA (fp16 and bf16, CUDA graphs on) at a real checkpoint's head
 layout with random weights, against HF transformers + PEFT (eager attention) on the same GPU;
 and the paged attention's sliding window and soft-capping against an fp32 reference."""
+
 import pytest
 import torch
 
@@ -17,8 +18,17 @@ pytestmark = pytest.mark.gpu
 
 WINDOW = 32  # shorter than the contexts below, so the window decides the attention
 VOCAB = 512
-_SMALL = dict(vocab_size=VOCAB, num_hidden_layers=2, intermediate_size=1024, max_position_embeddings=1024,
-              initializer_range=0.05, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+_SMALL = dict(
+    vocab_size=VOCAB,
+    num_hidden_layers=2,
+    intermediate_size=1024,
+    max_position_embeddings=1024,
+    initializer_range=0.05,
+    tie_word_embeddings=False,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
 
 
 def _config(family):
@@ -26,15 +36,37 @@ def _config(family):
     import transformers as T
 
     return {
-        "qwen2": lambda: T.Qwen2Config(**_SMALL, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4),  # Qwen2.5-7B
-        "qwen3": lambda: T.Qwen3Config(**_SMALL, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128),  # Qwen3-0.6B
-        "mistral": lambda: T.MistralConfig(**_SMALL, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, sliding_window=WINDOW),  # 7B v0.1
-        "gemma2": lambda: T.Gemma2Config(**_SMALL, hidden_size=2304, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                                         query_pre_attn_scalar=256, sliding_window=WINDOW),  # Gemma-2-2B, softcaps 50 / 30
-        "gemma3_text": lambda: T.Gemma3TextConfig(**{**_SMALL, "num_hidden_layers": 3}, hidden_size=640, num_attention_heads=4,
-                                                  num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=WINDOW,
-                                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]),  # 270M
-        "phi3": lambda: T.Phi3Config(**_SMALL, hidden_size=3072, num_attention_heads=32, num_key_value_heads=32, sliding_window=WINDOW),  # mini
+        "qwen2": lambda: T.Qwen2Config(
+            **_SMALL, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4
+        ),  # Qwen2.5-7B
+        "qwen3": lambda: T.Qwen3Config(
+            **_SMALL, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128
+        ),  # Qwen3-0.6B
+        "mistral": lambda: T.MistralConfig(
+            **_SMALL, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, sliding_window=WINDOW
+        ),  # 7B v0.1
+        "gemma2": lambda: T.Gemma2Config(
+            **_SMALL,
+            hidden_size=2304,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=WINDOW,
+        ),  # Gemma-2-2B, softcaps 50 / 30
+        "gemma3_text": lambda: T.Gemma3TextConfig(
+            **{**_SMALL, "num_hidden_layers": 3},
+            hidden_size=640,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),  # 270M
+        "phi3": lambda: T.Phi3Config(
+            **_SMALL, hidden_size=3072, num_attention_heads=32, num_key_value_heads=32, sliding_window=WINDOW
+        ),  # mini
     }[family]()
 
 
@@ -48,8 +80,10 @@ def family_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path, safe_serialization=True)
     targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if request.param == "phi3" else LLAMA_TARGETS
-    adapters = {f"r{r}": make_random_adapter(path, path / "adapters" / f"r{r}", rank=r, targets=targets, seed=r)
-                for r in (8, 16)}
+    adapters = {
+        f"r{r}": make_random_adapter(path, path / "adapters" / f"r{r}", rank=r, targets=targets, seed=r)
+        for r in (8, 16)
+    }
     return request.param, path, adapters
 
 
@@ -62,11 +96,24 @@ def test_family_on_gpu_matches_peft(family_model, dtype):
     2-24 % of positions, and the same runs on the CPU diverge at the same tokens (docs/models.md);
     the tie-free bar is test_family_on_gpu_as_close_to_fp32_as_hf below."""
     name, path, adapters = family_model
-    engine = build_engine(path, EngineConfig(max_lora_rank=16, max_loras=2, num_kv_blocks=256, dtype=dtype, device="cuda"),
-                          {k: str(v) for k, v in adapters.items()}, tokenizer=None)
+    engine = build_engine(
+        path,
+        EngineConfig(max_lora_rank=16, max_loras=2, num_kv_blocks=256, dtype=dtype, device="cuda"),
+        {k: str(v) for k, v in adapters.items()},
+        tokenizer=None,
+    )
     print(name)
-    check_mixed_batch_matches_peft(engine, path, adapters, dtype, VOCAB, names=[None, "r8", "r16", None, "r8", "r16"],
-                                   max_prompt=3 * WINDOW, attn_implementation="eager", min_exact=0)
+    check_mixed_batch_matches_peft(
+        engine,
+        path,
+        adapters,
+        dtype,
+        VOCAB,
+        names=[None, "r8", "r16", None, "r8", "r16"],
+        max_prompt=3 * WINDOW,
+        attn_implementation="eager",
+        min_exact=0,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -80,14 +127,23 @@ def test_family_on_gpu_as_close_to_fp32_as_hf(family_model, dtype):
     import random
 
     name, path, adapters = family_model
-    engine = build_engine(path, EngineConfig(max_lora_rank=16, max_loras=2, num_kv_blocks=256, dtype=dtype, device="cuda"),
-                          {k: str(v) for k, v in adapters.items()}, tokenizer=None)
+    engine = build_engine(
+        path,
+        EngineConfig(max_lora_rank=16, max_loras=2, num_kv_blocks=256, dtype=dtype, device="cuda"),
+        {k: str(v) for k, v in adapters.items()},
+        tokenizer=None,
+    )
     rng = random.Random(7)
     tokens = [rng.randrange(VOCAB) for _ in range(3 * WINDOW)]
     for adapter in (None, "r8", "r16"):
         (ours, hf), (agree_ours, agree_hf) = errors_from_fp32(engine, path, adapters, tokens, adapter, dtype, "cuda")
-        print(name, dtype, adapter, f"mean max|logit - fp32|: ours {ours:.4f} HF {hf:.4f}; "
-              f"argmax = fp32's: ours {agree_ours:.3f} HF {agree_hf:.3f}")
+        print(
+            name,
+            dtype,
+            adapter,
+            f"mean max|logit - fp32|: ours {ours:.4f} HF {hf:.4f}; "
+            f"argmax = fp32's: ours {agree_ours:.3f} HF {agree_hf:.3f}",
+        )
         assert ours <= 1.25 * hf, (name, adapter, ours, hf)
 
 
@@ -116,8 +172,9 @@ def test_paged_decode_window_and_softcap(dtype, group, d, window, softcap):
     q = torch.randn(len(lens), heads, d, device="cuda", generator=gen).to(dtype) * 3
     for splits in (1, 3):
         out = torch.full_like(q, float("nan"))
-        pa.paged_decode(out, q, k, v, tables, torch.tensor(lens, dtype=torch.int32, device="cuda"), d**-0.5, splits,
-                        window, softcap)
+        pa.paged_decode(
+            out, q, k, v, tables, torch.tensor(lens, dtype=torch.int32, device="cuda"), d**-0.5, splits, window, softcap
+        )
         for i, n in enumerate(lens):
             if n == 0:
                 assert out[i].abs().max() == 0
@@ -125,8 +182,14 @@ def test_paged_decode_window_and_softcap(dtype, group, d, window, softcap):
             idx = torch.arange(n, device="cuda")
             slots = tables[i, idx // BS].long() * BS + idx % BS
             visible = (idx > n - 1 - window) if window else torch.ones(n, dtype=torch.bool, device="cuda")
-            ref = _ref(q[i : i + 1], k.view(-1, kv_heads, d)[slots], v.view(-1, kv_heads, d)[slots], visible[None],
-                       d**-0.5, softcap)
+            ref = _ref(
+                q[i : i + 1],
+                k.view(-1, kv_heads, d)[slots],
+                v.view(-1, kv_heads, d)[slots],
+                visible[None],
+                d**-0.5,
+                softcap,
+            )
             assert _rel(out[i : i + 1], ref) < (5e-3 if dtype == torch.float16 else 2e-2), (splits, i)
 
 
@@ -143,6 +206,12 @@ def test_prefill_window_and_softcap(window, softcap):
         pos_q = a + torch.arange(n, device="cuda")[:, None]
         pos_k = torch.arange(a + n, device="cuda")[None, :]
         visible = (pos_k <= pos_q) & ((pos_k > pos_q - window) if window else True)
-        ref = _ref(q[cu_q[i] : cu_q[i + 1]], k.view(-1, kv_heads, d)[kv_index[i]], v.view(-1, kv_heads, d)[kv_index[i]],
-                   visible, d**-0.5, softcap)
+        ref = _ref(
+            q[cu_q[i] : cu_q[i + 1]],
+            k.view(-1, kv_heads, d)[kv_index[i]],
+            v.view(-1, kv_heads, d)[kv_index[i]],
+            visible,
+            d**-0.5,
+            softcap,
+        )
         assert _rel(out[cu_q[i] : cu_q[i + 1]], ref) < 2e-2, i

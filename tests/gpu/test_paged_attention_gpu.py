@@ -2,6 +2,7 @@
 block tables (lengths 1..4096, GQA groups 1..8, head dims 64/96/128/256, fp16/bf16, windows and
 soft-capping, the sm_80 build, block size 32, CUDA graph replays at new lengths), varlen prefill
 with earlier context, RMSNorm(+residual), SwiGLU, RoPE + KV write."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,8 +159,9 @@ def _prefill_rows(reqs, heads, kv_heads, d, dtype, gen):
         cu_q.append(cu_q[-1] + n)
         cu_k.append(cu_k[-1] + a + n)
     t32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
-    rows = PrefillRows(cu_q[-1], t32(cu_q), t32(cu_k), torch.cat(kv_index), max(n for _, n in reqs),
-                       max(a + n for a, n in reqs))
+    rows = PrefillRows(
+        cu_q[-1], t32(cu_q), t32(cu_k), torch.cat(kv_index), max(n for _, n in reqs), max(a + n for a, n in reqs)
+    )
     return q, k, v, rows, cu_q, kv_index
 
 

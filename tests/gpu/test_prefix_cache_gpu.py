@@ -2,6 +2,7 @@
 launched ahead): greedy and seeded generations with the cache on are those with it off, for
 tenants sharing system prompts under several adapters and the base model; nothing is shared
 across weights; every block is free or cached at the end."""
+
 import random
 
 import pytest
@@ -19,8 +20,17 @@ NAMES = (None, "a0", "a1", "a2")
 
 def _engine(model_dir, cache: bool):
     path, adapters = model_dir
-    cfg = EngineConfig(max_num_seqs=16, max_lora_rank=64, max_loras=4, num_kv_blocks=512, block_size=16,
-                       dtype=torch.float16, device="cuda", max_tokens_per_step=1024, prefix_caching=cache)
+    cfg = EngineConfig(
+        max_num_seqs=16,
+        max_lora_rank=64,
+        max_loras=4,
+        num_kv_blocks=512,
+        block_size=16,
+        dtype=torch.float16,
+        device="cuda",
+        max_tokens_per_step=1024,
+        prefix_caching=cache,
+    )
     engine = build_engine(path, cfg, {n: str(adapters[n]) for n in NAMES[1:]}, tokenizer=None)
     assert engine.runner.graphs is not None, "the paged path with CUDA graphs must serve this test"
     return engine
@@ -32,8 +42,11 @@ def test_cache_on_generates_what_cache_off_does_with_cuda_graphs(model_dir):
     requests = {}
     for k in range(24):  # arrivals spread over the run: later ones find their tenant's prefix cached
         name = NAMES[k % 4]
-        params = SamplingParams(max_tokens=20, temperature=0.0) if k % 3 else \
-            SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=k)
+        params = (
+            SamplingParams(max_tokens=20, temperature=0.0)
+            if k % 3
+            else SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=k)
+        )
         prompt = systems[name] + tuple(rng.randrange(512) for _ in range(rng.randint(1, 40)))
         requests.setdefault(6 * k, []).append(GenerateRequest(f"r{k}", prompt, params, name))
     out = {}
@@ -53,9 +66,13 @@ def test_cache_on_generates_what_cache_off_does_with_cuda_graphs(model_dir):
 def test_no_hits_across_adapters_on_the_gpu(model_dir):
     prompt = tuple(random.Random(1).randrange(512) for _ in range(200))
     engine = _engine(model_dir, True)
-    jobs = {4 * i: [GenerateRequest(f"q{i}", prompt, SamplingParams(max_tokens=8, temperature=0.0), n)]
-            for i, n in enumerate(NAMES)}
+    jobs = {
+        4 * i: [GenerateRequest(f"q{i}", prompt, SamplingParams(max_tokens=8, temperature=0.0), n)]
+        for i, n in enumerate(NAMES)
+    }
     run_to_completion(engine, jobs)
     assert sum(engine.prefix.hit_tokens.values()) == 0
-    run_to_completion(engine, {0: [GenerateRequest("again", prompt, SamplingParams(max_tokens=8, temperature=0.0), "a1")]})
+    run_to_completion(
+        engine, {0: [GenerateRequest("again", prompt, SamplingParams(max_tokens=8, temperature=0.0), "a1")]}
+    )
     assert engine.prefix.hit_tokens["a1"] == 192

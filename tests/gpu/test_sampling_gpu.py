@@ -2,6 +2,7 @@
 same tokens (and logprobs) as the same inputs run eagerly, and as the CPU sampler on the same logits;
 a row draws alone what it draws in the batch; and sampled steps are launched ahead, generating
 exactly what they generate run in turn."""
+
 import random
 
 import pytest
@@ -15,12 +16,14 @@ from tests.gpu.test_cuda_graphs_gpu import _decode_rows, _engine, _random_kv, _s
 
 pytestmark = pytest.mark.gpu
 model_dir = graphs_test.model_dir  # the same tiny Llama and 8 adapters (a module-scoped fixture)
-KINDS = [SamplingParams(max_tokens=4, temperature=0.0),
-         SamplingParams(max_tokens=4, temperature=0.8, top_p=0.95),
-         SamplingParams(max_tokens=4, temperature=0.8, top_k=50),
-         SamplingParams(max_tokens=4, temperature=1.0, logprobs=5),
-         SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, min_tokens=4, stop_token_ids=(3, 5)),
-         SamplingParams(max_tokens=4, temperature=0.7, top_k=20, top_p=0.9, min_tokens=4, stop_token_ids=(1,))]
+KINDS = [
+    SamplingParams(max_tokens=4, temperature=0.0),
+    SamplingParams(max_tokens=4, temperature=0.8, top_p=0.95),
+    SamplingParams(max_tokens=4, temperature=0.8, top_k=50),
+    SamplingParams(max_tokens=4, temperature=1.0, logprobs=5),
+    SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, min_tokens=4, stop_token_ids=(3, 5)),
+    SamplingParams(max_tokens=4, temperature=0.7, top_k=20, top_p=0.9, min_tokens=4, stop_token_ids=(1,)),
+]
 
 
 def _with_params(rows, rng):
@@ -83,16 +86,26 @@ def test_sampled_steps_launched_ahead_generate_what_steps_run_in_turn_do(model_d
     with and without launching ahead, and most steps taken ahead."""
     rng = random.Random(9)
     names = [None, *sorted(model_dir[1])]
-    kinds = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1),
-             SamplingParams(max_tokens=24, temperature=0.8, top_k=50, seed=2),
-             SamplingParams(max_tokens=24, temperature=0.0, min_tokens=24, stop_token_ids=(3, 4)),
-             SamplingParams(max_tokens=24, temperature=0.0, logprobs=5),
-             SamplingParams(max_tokens=24, temperature=1.0, seed=3, logprobs=2)]
-    requests = {k: [GenerateRequest(f"s{k}_{i}", tuple(rng.randrange(512) for _ in range(rng.randint(3, 60))),
-                                    kinds[i % len(kinds)], names[(i + k) % len(names)]) for i in range(12)]
-                for k in (0, 30)}
+    kinds = [
+        SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1),
+        SamplingParams(max_tokens=24, temperature=0.8, top_k=50, seed=2),
+        SamplingParams(max_tokens=24, temperature=0.0, min_tokens=24, stop_token_ids=(3, 4)),
+        SamplingParams(max_tokens=24, temperature=0.0, logprobs=5),
+        SamplingParams(max_tokens=24, temperature=1.0, seed=3, logprobs=2),
+    ]
+    requests = {
+        k: [
+            GenerateRequest(
+                f"s{k}_{i}",
+                tuple(rng.randrange(512) for _ in range(rng.randint(3, 60))),
+                kinds[i % len(kinds)],
+                names[(i + k) % len(names)],
+            )
+            for i in range(12)
+        ]
+        for k in (0, 30)
+    }
     on, taken = _generate(model_dir, requests, ahead=True)
     off, _ = _generate(model_dir, requests, ahead=False)
     assert on == off
     assert taken >= 30, taken
-

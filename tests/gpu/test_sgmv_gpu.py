@@ -7,6 +7,7 @@ beyond each adapter's rank with NaN, and writes into a wider y at an offset
 (columns outside the slice and rows without an adapter must come back
 bit-identical).
 """
+
 import math
 
 import numpy as np
@@ -45,7 +46,9 @@ def make_pool(dtype, h_in, h_out, rank, seed, ranks=None):
     torch.manual_seed(seed)
     max_rank = 128 if rank == "mixed" else rank
     if ranks is None and rank == "mixed":
-        ranks = torch.tensor(MIXED, dtype=torch.int32, device="cuda")[torch.randint(len(MIXED), (SLOTS,), device="cuda")]
+        ranks = torch.tensor(MIXED, dtype=torch.int32, device="cuda")[
+            torch.randint(len(MIXED), (SLOTS,), device="cuda")
+        ]
     elif ranks is None:
         ranks = torch.full((SLOTS,), max_rank, dtype=torch.int32, device="cuda")
     A = torch.randn(SLOTS, max_rank, h_in, device="cuda").div_(math.sqrt(h_in))
@@ -70,7 +73,7 @@ def reference(x, A, B, segs, ranks, scales, y0):
         rows, r = torch.cat(parts).cuda(), int(ranks[slot])
         vs = x[rows].float() @ A[slot, :r].float().T
         v[rows, :r] = vs
-        y[rows, PAD:PAD + h_out] += float(scales[slot]) * (vs @ B[slot, :r].float())
+        y[rows, PAD : PAD + h_out] += float(scales[slot]) * (vs @ B[slot, :r].float())
     adapted = torch.zeros(tokens, dtype=torch.bool, device="cuda")
     for parts in rows_of.values():
         adapted[torch.cat(parts).cuda()] = True
@@ -96,8 +99,11 @@ def check_case(dtype, h_in, h_out, rank, workload, batch, pool, rng, **forced):
 
     def check_y(y, what):
         cols = slice(PAD, PAD + h_out)
-        if not torch.equal(y[~adapted], y0[~adapted]) or not torch.equal(y[:, :PAD], y0[:, :PAD]) \
-                or not torch.equal(y[:, PAD + h_out:], y0[:, PAD + h_out:]):
+        if (
+            not torch.equal(y[~adapted], y0[~adapted])
+            or not torch.equal(y[:, :PAD], y0[:, :PAD])
+            or not torch.equal(y[:, PAD + h_out :], y0[:, PAD + h_out :])
+        ):
             errors.append(f"{what}: wrote outside its rows/columns")
         delta, delta_ref = y[adapted, cols].float() - y0[adapted, cols].float(), (y_ref - y0.float())[adapted, cols]
         if not (err := rel_err(delta, delta_ref)) < TOL:
@@ -135,8 +141,12 @@ def test_equals_reference(dtype, h, rank):
 def test_projection_shapes(h_in, h_out):
     rng = np.random.default_rng(h_out)
     pool = make_pool(torch.bfloat16, h_in, h_out, "mixed", seed=h_in)
-    failures = [f for w in WORKLOADS for b in (1, 7, 64, 1000)
-                for f in check_case(torch.bfloat16, h_in, h_out, "mixed", w, b, pool, rng)]
+    failures = [
+        f
+        for w in WORKLOADS
+        for b in (1, 7, 64, 1000)
+        for f in check_case(torch.bfloat16, h_in, h_out, "mixed", w, b, pool, rng)
+    ]
     assert not failures, "\n".join(failures[:20])
 
 
@@ -147,8 +157,12 @@ def test_every_cluster_width_and_block_size(split, warps):
     rng = np.random.default_rng(split * 100 + warps)
     pool = make_pool(torch.float16, 4096, 4096, "mixed", seed=split)
     forced = dict(split=split, warps=warps)
-    failures = [f for w in WORKLOADS for b in (1, 16, 64, 300)
-                for f in check_case(torch.float16, 4096, 4096, "mixed", w, b, pool, rng, **forced)]
+    failures = [
+        f
+        for w in WORKLOADS
+        for b in (1, 16, 64, 300)
+        for f in check_case(torch.float16, 4096, 4096, "mixed", w, b, pool, rng, **forced)
+    ]
     assert not failures, "\n".join(failures[:20])
 
 
@@ -162,13 +176,18 @@ def test_every_rank_group_width(split, groups):
     failures = []
     for dtype, rank, h_in in ((torch.float16, 64, 4096), (torch.bfloat16, "mixed", 4096), (torch.float16, 128, 11008)):
         pool = make_pool(dtype, h_in, 4096, rank, seed=groups)
-        failures += [f for w in WORKLOADS for b in (1, 2, 3, 7, 16, 64)
-                     for f in check_case(dtype, h_in, 4096, rank, w, b, pool, rng, split=split, groups=groups)]
+        failures += [
+            f
+            for w in WORKLOADS
+            for b in (1, 2, 3, 7, 16, 64)
+            for f in check_case(dtype, h_in, 4096, rank, w, b, pool, rng, split=split, groups=groups)
+        ]
     assert not failures, "\n".join(failures[:20])
     A, B, ranks, scales = pool
     segs = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
-    plan = sgmv.launch_plan(sgmv.FUSED, 1, A=A, B=B, indptr=segs, slot_ids=segs[:1], ranks=ranks, scales=scales,
-                            split=split, groups=groups)
+    plan = sgmv.launch_plan(
+        sgmv.FUSED, 1, A=A, B=B, indptr=segs, slot_ids=segs[:1], ranks=ranks, scales=scales, split=split, groups=groups
+    )
     assert "grouped" in plan.name and plan.blocks == split * groups and plan.args.xcount is not None
 
 
@@ -181,9 +200,18 @@ def test_sm80_code_path_on_this_device(monkeypatch):
     failures = []
     for dtype, rank in ((torch.float16, 16), (torch.bfloat16, 64), (torch.float16, "mixed")):
         pool = make_pool(dtype, 4096, 5120, rank, seed=80)
-        failures += [f for w, b in (("distinct", 1), ("distinct", 16), ("distinct", 40), ("uniform", 64),
-                                    ("skewed", 300), ("identical", 4096))
-                     for f in check_case(dtype, 4096, 5120, rank, w, b, pool, rng)]
+        failures += [
+            f
+            for w, b in (
+                ("distinct", 1),
+                ("distinct", 16),
+                ("distinct", 40),
+                ("uniform", 64),
+                ("skewed", 300),
+                ("identical", 4096),
+            )
+            for f in check_case(dtype, 4096, 5120, rank, w, b, pool, rng)
+        ]
     assert not failures, "\n".join(failures[:20])
     A, B, ranks, scales = pool
     segs = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
@@ -201,7 +229,9 @@ def slice_reference(x, slices, segs, ranks, scales, y0):
         for slot, lo, hi in zip(s.slot_ids.tolist(), starts[:-1], starts[1:]):
             if slot >= 0:
                 r = int(ranks[slot])
-                y[lo:hi, cols] += float(scales[slot]) * (x[lo:hi].float() @ s.A[slot, :r].float().T @ s.B[slot, :r].float())
+                y[lo:hi, cols] += float(scales[slot]) * (
+                    x[lo:hi].float() @ s.A[slot, :r].float().T @ s.B[slot, :r].float()
+                )
                 rows[lo:hi] = True
         adapted.append(rows)
     return y, adapted
@@ -231,8 +261,12 @@ def test_sliced_equals_reference_of_every_slice(h_outs, split, monkeypatch):
             segs = make_segments(workload, batch, rng)
             tokens = sum(n for _, n in segs)
             indptr = torch.tensor(np.cumsum([0] + [n for _, n in segs]), dtype=torch.int32, device="cuda")
-            slot_ids = [torch.tensor([s if k == 0 or rng.random() < 0.7 else -1 for s, _ in segs],
-                                     dtype=torch.int32, device="cuda") for k in range(len(h_outs))]
+            slot_ids = [
+                torch.tensor(
+                    [s if k == 0 or rng.random() < 0.7 else -1 for s, _ in segs], dtype=torch.int32, device="cuda"
+                )
+                for k in range(len(h_outs))
+            ]
             slices = [LoraSlice(A, B, ids, int(off)) for (A, B, _, _), ids, off in zip(pools, slot_ids, offsets)]
             x = torch.randn(tokens, 4096, device="cuda", dtype=dtype)
             y0 = (torch.randn(tokens, sum(h_outs) + 2 * PAD, device="cuda") * 0.05).to(dtype)
@@ -251,8 +285,9 @@ def test_sliced_equals_reference_of_every_slice(h_outs, split, monkeypatch):
     assert not failures, "\n".join(failures[:20])
 
 
-@pytest.mark.parametrize("arch,tokens,batch", [(None, 64, 40), (80, 32, 16), (None, 4, 3)],
-                         ids=("own", "sm_80", "rank_groups"))
+@pytest.mark.parametrize(
+    "arch,tokens,batch", [(None, 64, 40), (80, 32, 16), (None, 4, 3)], ids=("own", "sm_80", "rank_groups")
+)
 def test_cuda_graph_capture_and_replay(arch, tokens, batch, monkeypatch):
     """sm_80: a grid small enough for split-K through L2, whose counters carry over from replay
     to replay; rank_groups: few items at rank 128, whose clusters count in on those counters."""
@@ -267,8 +302,9 @@ def test_cuda_graph_capture_and_replay(arch, tokens, batch, monkeypatch):
     indptr = torch.zeros(tokens + 1, dtype=torch.int32, device="cuda")
     slot_ids = torch.full((tokens,), -1, dtype=torch.int32, device="cuda")
     sgmv.add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=PAD, v=v)  # compile outside capture
-    plan = sgmv.launch_plan(sgmv.FUSED, tokens, x=x, y=y, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks,
-                            scales=scales)
+    plan = sgmv.launch_plan(
+        sgmv.FUSED, tokens, x=x, y=y, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks, scales=scales
+    )
     assert ("grouped" in plan.name) == (batch == 3), plan.name
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -305,6 +341,6 @@ def test_rows_outside_every_segment_untouched(lead):
         y_ref = lora_ref(y0.float(), x, A, B, indptr, slot_ids, ranks, scales)
         y = sgmv.add_lora(y0.clone(), x, A, B, indptr, slot_ids, ranks, scales)
         outside = torch.ones(tokens, dtype=torch.bool, device="cuda")
-        outside[lead:tokens - tail] = False
+        outside[lead : tokens - tail] = False
         assert torch.equal(y[outside], y0[outside]), (lead, batch, tail)
         assert rel_err(y.float() - y0.float(), y_ref - y0.float()) < TOL, (lead, batch)

@@ -3,6 +3,7 @@ through CUDA-graph decode, constrained requests launched ahead (their draw waits
 token: app/engine/run_ahead.py) generate what they generate with steps run in turn, and every JSON
 output is complete and parses. The vocabulary is benchmarks/structured_throughput.py's synthetic
 BPE (nothing to fetch on the device)."""
+
 import json
 import random
 
@@ -27,9 +28,18 @@ def model_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      initializer_range=0.3, tie_word_embeddings=False, eos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+    )
     path = tmp_path_factory.mktemp("structured-gpu")
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return path, synthetic_tokenizer(VOCAB)
@@ -38,7 +48,7 @@ def model_dir(tmp_path_factory):
 def test_the_masked_draw_equals_the_cpu_draw():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(16, VOCAB, generator=gen)
-    bits = torch.randint(-2**31, 2**31 - 1, (6, (VOCAB + 31) // 32), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits = torch.randint(-(2**31), 2**31 - 1, (6, (VOCAB + 31) // 32), generator=gen, dtype=torch.int64).to(torch.int32)
     rows = torch.tensor([0, 3, 4, 9, 12, 15])
     out = {}
     for device in ("cpu", "cuda"):
@@ -54,15 +64,29 @@ def test_constrained_requests_launched_ahead_equal_steps_run_in_turn(model_dir):
     path, tokenizer = model_dir
     rng = random.Random(2)
     schemas = random_schemas(24, seed=5)
-    requests = [GenerateRequest(f"j{i}", tuple(rng.randrange(VOCAB) for _ in range(12)),
-                                SamplingParams(max_tokens=300, temperature=0.8, seed=i,
-                                               guide=Guide("json_schema", json.dumps(s, sort_keys=True))))
-                for i, s in enumerate(schemas)]
-    requests += [GenerateRequest(f"p{i}", tuple(rng.randrange(VOCAB) for _ in range(12)),
-                                 SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i in range(8)]
+    requests = [
+        GenerateRequest(
+            f"j{i}",
+            tuple(rng.randrange(VOCAB) for _ in range(12)),
+            SamplingParams(
+                max_tokens=300, temperature=0.8, seed=i, guide=Guide("json_schema", json.dumps(s, sort_keys=True))
+            ),
+        )
+        for i, s in enumerate(schemas)
+    ]
+    requests += [
+        GenerateRequest(
+            f"p{i}",
+            tuple(rng.randrange(VOCAB) for _ in range(12)),
+            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        )
+        for i in range(8)
+    ]
     out = {}
     for ahead in (True, False):
-        engine = build_engine(path, EngineConfig(max_num_seqs=32, num_kv_blocks=1024, device="cuda"), {}, tokenizer=tokenizer)
+        engine = build_engine(
+            path, EngineConfig(max_num_seqs=32, num_kv_blocks=1024, device="cuda"), {}, tokenizer=tokenizer
+        )
         assert engine.runner.graphs is not None
         if not ahead:
             engine.runner.run_ahead = lambda result, scheduler: None

@@ -1,5 +1,6 @@
 """What every tensor-parallel rank shares: the spec it is started with, joining the process
 group, and building its shard of the model (app/engine/tp/sharding.py) with its adapter slots."""
+
 from __future__ import annotations
 
 import os
@@ -47,6 +48,7 @@ def all_reduce(group):
     def reduce(y: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(y, group=group)
         return y
+
     return reduce
 
 
@@ -56,8 +58,9 @@ def shard_model(rank: int, spec: WorkerSpec, device: torch.device, data, make_po
 
     full = ModelConfig.from_hf(AutoConfig.from_pretrained(spec.model_path))
     cfg = shard_config(full, spec.config.tensor_parallel_size)
-    weights = load_shard_weights(Path(spec.model_path), full, Shard(rank, spec.config.tensor_parallel_size),
-                                 spec.config.dtype, device)
+    weights = load_shard_weights(
+        Path(spec.model_path), full, Shard(rank, spec.config.tensor_parallel_size), spec.config.dtype, device
+    )
     p = spec.pool
     pool = make_pool(cfg.shape, PoolConfig(p.num_slots, p.max_rank, p.dtype, str(device)))
     return LlamaModel(cfg, weights, pool, reduce=all_reduce(data))
@@ -66,7 +69,9 @@ def shard_model(rank: int, spec: WorkerSpec, device: torch.device, data, make_po
 def indexed(name: str) -> torch.device:
     """The device with an index (bare "cuda" → the current one): NCCL and set_device want it."""
     device = torch.device(name)
-    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+    )
 
 
 def rendezvous(host: str) -> str:

@@ -12,6 +12,7 @@ Collectives: NCCL for the data on GPUs (NVLink multicast off: NCCL_NVLS_ENABLE=0
 on CPUs; the control messages always go over gloo. A failed step leaves the ranks out of
 step, so the model refuses every later step: the replica must be replaced.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,7 +51,11 @@ class TensorParallelModel:
 
     def __init__(self, local: LlamaModel, channel: Channel, workers):
         self.local, self.channel, self.workers = local, channel, workers
-        self.cfg, self.lora_pool, self.dtype = local.cfg, local.lora_pool, local.dtype  # the shard's shape: KV is per shard
+        self.cfg, self.lora_pool, self.dtype = (
+            local.cfg,
+            local.lora_pool,
+            local.dtype,
+        )  # the shard's shape: KV is per shard
         self.broken: BaseException | None = None
 
     def forward(self, inputs, kv_caches) -> torch.Tensor:

@@ -7,6 +7,7 @@ creates the group with the replica, so the router and the autoscaler see one rep
 with one engine; the shard workers (app/engine/tp/workers.py) are its child actors in
 bundles 1…N−1 and die with it.
 """
+
 from __future__ import annotations
 
 

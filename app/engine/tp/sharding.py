@@ -27,6 +27,7 @@ all-reduce moving 2(N−1)/N of the message per GPU):
   add-on stays local (as in Punica): no communication beyond the backbone's own, and the
   SGMV kernels run unchanged on each shard's slices.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,12 +58,19 @@ def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
     """The shape one rank computes: 1/world of the heads, KV heads and MLP width."""
     if dataclasses.replace(cfg.traits, all_layers_slide=False) != Traits():  # shards carry no biases or extra norms
         raise ValueError(f"tensor_parallel_size {world} supports the llama and mistral families only, not {cfg.family}")
-    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                    ("intermediate_size", cfg.intermediate_size)):
+    for what, n in (
+        ("attention heads", cfg.num_heads),
+        ("KV heads", cfg.num_kv_heads),
+        ("intermediate_size", cfg.intermediate_size),
+    ):
         if n % world:
             raise ValueError(f"tensor_parallel_size {world} does not divide the model's {n} {what}")
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
-                               intermediate_size=cfg.intermediate_size // world)
+    return dataclasses.replace(
+        cfg,
+        num_heads=cfg.num_heads // world,
+        num_kv_heads=cfg.num_kv_heads // world,
+        intermediate_size=cfg.intermediate_size // world,
+    )
 
 
 def _cut(t: torch.Tensor, dim: int, shard: Shard) -> torch.Tensor:
@@ -117,14 +125,16 @@ def load_shard_weights(ckpt: Path, cfg: ModelConfig, shard: Shard, dtype: torch.
         out, inp = s.get_shape()
         if module in COLUMN:
             n = out // shard.world
-            return to(s[shard.rank * n:(shard.rank + 1) * n])
+            return to(s[shard.rank * n : (shard.rank + 1) * n])
         n = inp // shard.world
-        return to(s[:, shard.rank * n:(shard.rank + 1) * n])
+        return to(s[:, shard.rank * n : (shard.rank + 1) * n])
 
     def layer(i: int) -> LayerWeights:
         p = f"model.layers.{i}."
-        proj = {fused: torch.cat([part(f"{p}{block}.{m}.weight", m) for m in modules]).contiguous()
-                for fused, (block, modules) in FUSED.items()}
+        proj = {
+            fused: torch.cat([part(f"{p}{block}.{m}.weight", m) for m in modules]).contiguous()
+            for fused, (block, modules) in FUSED.items()
+        }
         return LayerWeights(full(p + "input_layernorm.weight"), full(p + "post_attention_layernorm.weight"), proj)
 
     embed = full("model.embed_tokens.weight")

@@ -9,6 +9,7 @@ their GPUs without a host round trip through the workers and in order with the s
 The skeleton names only the classes listed here and tensors by dtype and shape, so a
 message rebuilds exactly what rank 0 had and nothing else (no pickle).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,21 @@ from ops.paged_attention import DecodeRows, PagedBatch, PrefillRows
 
 STEP, LOAD, STOP = 1, 2, 3
 _CLASSES = {c.__name__: c for c in (StepInputs, AttentionGroup, PagedBatch, PrefillRows, DecodeRows, LoraSegments)}
-_DTYPES = {str(d): d for d in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-                               torch.float64, torch.float32, torch.float16, torch.bfloat16)}
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+    )
+}
 _ALIGN = 8  # every tensor starts 8-byte aligned in the payload, so .view(dtype) is legal
 
 
@@ -85,7 +99,7 @@ def _from_bytes(buf: torch.Tensor, metas):
     offset = 0
     for dtype, shape in metas:
         n = dtype.itemsize * torch.Size(shape).numel()
-        yield buf[offset:offset + n].view(dtype).view(shape)
+        yield buf[offset : offset + n].view(dtype).view(shape)
         offset += _padded(n)
 
 
@@ -117,9 +131,15 @@ class Channel:
 
     def send_load(self, slot: int, rank: int, scale: float, stacks_per_worker: list[dict]) -> None:
         """stacks_per_worker[w]: worker w+1's {module: ModuleStack} of the adapter going into slot."""
-        sent = [{"slot": slot, "rank": rank, "scale": scale,
-                 "stacks": {m: {"layers": list(st.layers), "A": st.A, "Bt": st.Bt} for m, st in stacks.items()}}
-                for stacks in stacks_per_worker]
+        sent = [
+            {
+                "slot": slot,
+                "rank": rank,
+                "scale": scale,
+                "stacks": {m: {"layers": list(st.layers), "A": st.A, "Bt": st.Bt} for m, st in stacks.items()},
+            }
+            for stacks in stacks_per_worker
+        ]
         encoded = [encode(message, self.device) for message in sent]
         skeleton, payloads = encoded[0][0], [payload for _, payload in encoded]
         self._header(LOAD, skeleton, payloads[0].numel())  # same shapes on every worker

@@ -1,6 +1,7 @@
 """Ranks 1…N−1 of a tensor-parallel model: each builds its shard, then runs rank 0's messages
 (app/engine/tp/wire.py) until told to stop. They run as Ray actors in the replica's placement group
 bundles 1…N−1 (under Serve) or as spawned processes (elsewhere, e.g. tests)."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -52,11 +53,15 @@ class LocalWorkers:
     def __init__(self, spec: WorkerSpec):
         ctx = multiprocessing.get_context("spawn")
         base = torch.device(spec.config.device)
-        devices = [f"cuda:{(base.index or 0) + r}" if base.type == "cuda" else "cpu"
-                   for r in range(spec.config.tensor_parallel_size)]
+        devices = [
+            f"cuda:{(base.index or 0) + r}" if base.type == "cuda" else "cpu"
+            for r in range(spec.config.tensor_parallel_size)
+        ]
         self.device = devices[0]
-        self.procs = [ctx.Process(target=worker_main, args=(r, spec, devices[r]), daemon=True, name=f"tp-rank{r}")
-                      for r in range(1, spec.config.tensor_parallel_size)]
+        self.procs = [
+            ctx.Process(target=worker_main, args=(r, spec, devices[r]), daemon=True, name=f"tp-rank{r}")
+            for r in range(1, spec.config.tensor_parallel_size)
+        ]
         for p in self.procs:
             p.start()
 
@@ -78,11 +83,16 @@ class RayWorkers:
         cuda = torch.device(spec.config.device).type == "cuda"
         self.device = "cuda" if cuda else "cpu"  # Ray shows each actor only its own GPU
         actor = ray.remote(_RayWorker)
-        self.actors = [actor.options(
-            num_cpus=1, num_gpus=1 if cuda else 0, name=f"tp-worker-{os.getpid()}-rank{r}",
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r),
-            runtime_env={"env_vars": {"NCCL_NVLS_ENABLE": "0"}},
-        ).remote() for r in range(1, spec.config.tensor_parallel_size)]
+        self.actors = [
+            actor.options(
+                num_cpus=1,
+                num_gpus=1 if cuda else 0,
+                name=f"tp-worker-{os.getpid()}-rank{r}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=r),
+                runtime_env={"env_vars": {"NCCL_NVLS_ENABLE": "0"}},
+            ).remote()
+            for r in range(1, spec.config.tensor_parallel_size)
+        ]
         self.runs = [a.run.remote(r, spec, self.device) for r, a in enumerate(self.actors, start=1)]
 
     def join(self, timeout: float = 30) -> None:
