@@ -289,7 +289,7 @@ def multiturn(args, data, engines, names, report):
     mix = capacity_prompts(rng, systems, args.saturation_requests, TURNS, USER, NEW, 32000)
     mix = [(request(f"m{i}", prompt, t), t) for i, (prompt, t) in enumerate(mix)]
     report("multiturn_capacity", "off", run(engines["off"], names, mix, [0.0] * len(mix)))
-    rate = LOAD * data["multiturn_capacity"]["off"]["req_s"] / (sum(TURNS) / 2)  # turns/s at 70 % of capacity
+    rate = LOAD * data["multiturn_capacity"]["off"]["req_s"] / (sum(TURNS) / 2)  # conversations/s (70 % in turns/s)
     convs = conversations(args.chat_s, rate, TENANTS, TURNS, USER, 32000, args.think_s, seed=6)
     data["multiturn_rate_conversations_s"] = rate
     chats = {}
