@@ -69,6 +69,7 @@ class LoraReplica:
         self.draining = False  # set by drain(): the router sends nothing new, running requests move
         self.held = 0  # generate() calls in progress
         self.arrivals: deque[tuple[float, str]] = deque()  # (wall time, arrival_key), the last ARRIVALS_WINDOW_S
+        self.departures: deque[tuple[float, str]] = deque()  # likewise, of the requests that left
         self.metrics = EngineMetrics(self.engine).start()  # the engine's Prometheus series (app/engine_metrics.py)
         # when it came up, as Serve orders replicas for a scale-down (newest first)
         self.started_at = time.time()
@@ -78,7 +79,8 @@ class LoraReplica:
     ) -> AsyncIterator[Chunk | LoraplexError]:
         """Accepted(this replica), then the request's chunks or the LoraplexError that rejected it."""
         self.held += 1  # before the first await: a report taken from now on counts it
-        self.arrivals.append((time.time(), arrival_key(request.request_id, len(request.resume_token_ids))))
+        key = arrival_key(request.request_id, len(request.resume_token_ids))
+        self.arrivals.append((time.time(), key))
         try:
             yield Accepted(self.replica_id)
             if self.draining:  # routed here before the router saw the drain: every choice moves on at once
@@ -96,6 +98,7 @@ class LoraReplica:
             yield exc
         finally:
             self.held -= 1
+            self.departures.append((time.time(), key))  # with held: no report counts it after this
 
     async def load_adapter(self, name: str, uri: str) -> str:
         """Load (and so validate) an adapter before the registry lists it: its content
@@ -115,9 +118,11 @@ class LoraReplica:
 
     async def routing_stats(self) -> ReplicaStats:
         now = time.time()
-        while self.arrivals and self.arrivals[0][0] < now - ARRIVALS_WINDOW_S:
-            self.arrivals.popleft()
-        held, arrivals = self.held, tuple(key for _, key in self.arrivals)  # taken before the engine's counts
+        for window in (self.arrivals, self.departures):
+            while window and window[0][0] < now - ARRIVALS_WINDOW_S:
+                window.popleft()
+        # taken before the engine's counts
+        held, arrivals, departures = self.held, tuple(k for _, k in self.arrivals), tuple(k for _, k in self.departures)
         s = await self.stats()
         return ReplicaStats(
             running=s["running"],
@@ -134,6 +139,7 @@ class LoraReplica:
             arrivals=arrivals,
             arrivals_since=now - ARRIVALS_WINDOW_S,
             prefix_heads=tuple(s.get("prefix_heads", ())),
+            departures=departures,
         )
 
     async def record_routing_stats(self) -> dict:

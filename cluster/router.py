@@ -7,7 +7,9 @@ head (its prefix cache likely holds that prompt's KV: cluster/stats.py prefix_he
 the oldest replica (Serve's downscale stops the newest first, so the released replicas
 are the idle ones); among equals, one where the adapter is already resident. Replica stats are stale by up to the polling period, so the
 router counts each request on the replica it chose for it, from the moment it chose it
-until the replica's report lists the request among its arrivals (cluster/stats.py). No
+until the replica's report lists the request among its arrivals (cluster/stats.py); a
+request that ends is taken off the count at once (Serve tells the router), off the report
+until a report lists its departure. No
 replica with room → the request waits and Serve retries it (every 10–100 ms) until one
 has room; `max_queued_requests` bounds that queue. Waiting requests are retried in
 arrival order as far as Serve's routing tasks go (at most two per replica at once): a
@@ -50,8 +52,8 @@ class ReplicaView:
 
     replica_id: str
     stats: ReplicaStats | None  # None until its first report
-    sent: int = 0  # batch rows of the requests routed to it after that report
-    sent_blocks: int = 0  # KV blocks those requests need
+    sent: int = 0  # batch rows routed to it that the report does not count, less those that ended since
+    sent_blocks: int = 0  # KV blocks the same requests need (negative: freed since the report)
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,17 @@ def unreported(
     return [e for e in sent if e[1] not in arrived and e[0] >= stats.arrivals_since]
 
 
+def undeparted(
+    ended: list[tuple[float, str, int, int]], stats: ReplicaStats | None
+) -> list[tuple[float, str, int, int]]:
+    """Of the (ended at, key, blocks, rows) that ended on a replica after its report counted
+    them, those the report still counts: departure not listed, and recent."""
+    if stats is None:
+        return []
+    gone = set(stats.departures)
+    return [e for e in ended if e[1] not in gone and e[0] >= stats.arrivals_since]
+
+
 def need_of(pending: PendingRequest | None, policy: Policy) -> Need:
     """The GenerateRequest is the first argument of LoraReplica.generate."""
     request = pending.args[0] if pending is not None and pending.args else None
@@ -146,6 +159,8 @@ class ConsolidatingRouter(RequestRouter):
         # reports the request routed, and routes several requests at once: a request counts on
         # the replica chosen for it from the moment it is chosen, or a burst lands on one replica
         self._chosen: dict[int, tuple[str, tuple[float, str, int, int]]] = {}  # id(pending) → (replica, sent entry)
+        self._routed_ids: dict[str, tuple[str, tuple[float, str, int, int]]] = {}  # internal request id → same
+        self._ended: dict[str, list[tuple[float, str, int, int]]] = defaultdict(list)  # replica → [(ended at, …)]
         self._routed = Counter(
             "loraplex_router_requests_routed", "requests routed, by replica", tag_keys=("target_replica",)
         )
@@ -188,11 +203,27 @@ class ConsolidatingRouter(RequestRouter):
         chosen = self._chosen.pop(id(pending_request), None)
         if chosen is None or chosen[0] != rid:  # sent to a later rank: count it there instead
             self._uncount(chosen)
-            self._sent[rid].append(self._entry(need_of(pending_request, self.policy)))
+            chosen = (rid, self._entry(need_of(pending_request, self.policy)))
+            self._sent[rid].append(chosen[1])
+        self._routed_ids[pending_request.metadata.internal_request_id] = chosen
         horizon = time.time() - ARRIVALS_WINDOW_S  # choices never reported routed (rejected, cancelled)
         self._chosen = {k: c for k, c in self._chosen.items() if c[1][0] >= horizon}
         self._routed.inc(tags={"target_replica": rid})
         self._wait.observe(max(0.0, time.time() - pending_request.created_at))
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        """Its slot is free now: off the sent count if no report counted it yet, else off the
+        report until a report lists its departure."""
+        rid, entry = self._routed_ids.pop(internal_request_id, (None, None))
+        if entry is None or rid != replica_id.unique_id:
+            return
+        replica = self._replicas.get(replica_id)
+        stats = ReplicaStats.from_dict(replica.routing_stats) if replica is not None else None
+        sent = self._sent[rid] = unreported(self._sent.get(rid, []), stats)
+        if entry in sent:
+            sent.remove(entry)
+        else:
+            self._ended[rid].append((time.time(), *entry[1:]))
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         before = {r.unique_id for r in self._replica_id_set}
@@ -200,6 +231,8 @@ class ConsolidatingRouter(RequestRouter):
         gone = before - {r.replica_id.unique_id for r in replicas}
         for rid in gone:
             self._sent.pop(rid, None)
+            self._ended.pop(rid, None)
+        self._routed_ids = {k: c for k, c in self._routed_ids.items() if c[0] not in gone}
         if gone:  # stopped by a scale-down (or dead): streams still on them move now
             for listener in _leaving_listeners:
                 listener(gone)
@@ -215,4 +248,6 @@ class ConsolidatingRouter(RequestRouter):
         rid = replica.replica_id.unique_id
         stats = ReplicaStats.from_dict(replica.routing_stats)
         sent = self._sent[rid] = unreported(self._sent.get(rid, []), stats)
-        return ReplicaView(rid, stats, sum(rows for *_, rows in sent), sum(e[2] for e in sent))
+        ended = self._ended[rid] = undeparted(self._ended.get(rid, []), stats)
+        rows = sum(e[3] for e in sent) - sum(e[3] for e in ended)
+        return ReplicaView(rid, stats, rows, sum(e[2] for e in sent) - sum(e[2] for e in ended))

@@ -6,7 +6,11 @@ A report is read some time after it was taken, and a request the router sent sho
 before it may still be on its way through Serve. So the replica lists the requests
 that reached it in the last `ARRIVALS_WINDOW_S` (`arrivals`, by `arrival_key`): the
 router counts a request it sent on top of the report until the report lists it (then
-`held` counts it) or until it is older than the window (then it never arrived).
+`held` counts it) or until it is older than the window (then it never arrived). Likewise
+the replica lists the requests that left it in the window (`departures`): a request that
+ended after a report counted it is taken off that report (the router hears of the end from
+Serve at once) until a report lists its departure, so a slot freed between two reports is
+offered again at once, not a polling period later.
 
 A replica also lists the prefix heads (`prefix_head`) of the requests it admitted most
 recently: their KV is likely in its prefix cache, which the router uses to break ties."""
@@ -51,6 +55,7 @@ class ReplicaStats:
     arrivals: tuple[str, ...]  # arrival_key of each request that reached it since arrivals_since
     arrivals_since: float  # reported_at - ARRIVALS_WINDOW_S
     prefix_heads: tuple[str, ...] = ()  # prefix_head of the requests admitted most recently
+    departures: tuple[str, ...] = ()  # arrival_key of each request that left it since arrivals_since
 
     @property
     def batch(self) -> int:
@@ -63,6 +68,7 @@ class ReplicaStats:
         d["resident_adapters"] = list(self.resident_adapters)
         d["arrivals"] = list(self.arrivals)
         d["prefix_heads"] = list(self.prefix_heads)
+        d["departures"] = list(self.departures)
         return d
 
     @classmethod
@@ -75,6 +81,7 @@ class ReplicaStats:
         values["resident_adapters"] = tuple(values.get("resident_adapters", ()))
         values["arrivals"] = tuple(values.get("arrivals", ()))
         values["prefix_heads"] = tuple(values.get("prefix_heads", ()))
+        values["departures"] = tuple(values.get("departures", ()))
         try:
             return cls(**values)
         except TypeError:  # a report missing fields (a replica of another version): treat as unknown
