@@ -48,9 +48,11 @@ class Slab:
         raw += b" " * (-len(raw) % 8)
         self.prefix, self.nbytes = struct.pack("<Q", len(raw)) + raw, at
         n = max(int(gib * 2**30) // 2, at // 2 + 1)
-        gen = torch.Generator(device).manual_seed(0)
-        values = torch.randn(n, generator=gen, device=device, dtype=torch.float16) * 0.01  # finite, LoRA-sized
-        self.bytes = memoryview(values.cpu().view(torch.uint8).numpy())
+        gen, values, chunk = torch.Generator(device).manual_seed(0), torch.empty(n, dtype=torch.float16), 1 << 28
+        for i in range(0, n, chunk):  # made where it is fast, in pieces: no 2^31-element kernel
+            piece = torch.randn(min(chunk, n - i), generator=gen, device=device, dtype=torch.float16)
+            values[i : i + len(piece)] = (piece * 0.01).cpu()  # finite, LoRA-sized
+        self.bytes = memoryview(values.view(torch.uint8).numpy())
         self.config = json.dumps(
             {"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK, "target_modules": list(self.dims)}
         )
