@@ -77,7 +77,8 @@ class ClusterArgs(_Strict):
 class AppArgs(_Strict):
     model: str | None = None  # checkpoint dir, .gguf or s3://bucket/prefix/; None: the embedded SmolLM2-135M-Instruct
     model_name: str | None = None  # the base model's `model` id in the API
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # float64: a CPU reference precision
+    # None: float32 on the CPU, bfloat16 on CUDA; float64: a CPU reference precision
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] | None = None
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     max_batch_size: int = Field(16, ge=1)
     max_tokens_per_step: int = Field(1024, ge=1)
@@ -110,9 +111,11 @@ class AppArgs(_Strict):
     tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
 
     @model_validator(mode="after")
-    def _float64_on_cpu_only(self):
-        if self.dtype == "float64" and self.device != "cpu":  # the GPU kernels are half and fp32 only
-            raise ValueError("dtype float64 runs on device cpu only")
+    def _dtype_for_the_device(self):
+        if self.dtype is None:
+            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        elif self.device != "cpu" and self.dtype not in ("float16", "bfloat16"):  # the CUDA kernels are half only
+            raise ValueError(f"dtype {self.dtype} is not served on CUDA: use float16 or bfloat16")
         return self
 
 

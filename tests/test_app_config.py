@@ -45,6 +45,19 @@ def test_bad_config_names_the_field(args, field):
     assert f"  {field}:" in str(err.value)
 
 
+def test_dtype_defaults_by_device_and_float32_is_refused_on_cuda():
+    """The CUDA kernels are half only: float32 there would fail at the first LoRA add-on."""
+    from app.engine.config import EngineConfig
+
+    assert parse_args({}, "base").engine.dtype == torch.float32
+    assert parse_args({"device": "cuda"}, "base").engine.dtype == torch.bfloat16
+    for dtype in ("float32", "float64"):
+        with pytest.raises(ConfigError, match=f"dtype {dtype} is not served on CUDA"):
+            parse_args({"device": "cuda", "dtype": dtype}, "base")
+    with pytest.raises(ValueError, match="not served on CUDA"):
+        EngineConfig(device="cuda")
+
+
 def test_keys_and_tenants():
     auth = Auth((ApiKey("sk-tenant-a-000", frozenset({"a"})), ApiKey("sk-everything", None)), "sk-the-admin")
     with pytest.raises(AuthenticationError):

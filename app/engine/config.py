@@ -21,3 +21,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # GPUs (shard workers) one replica's model spans
     prefix_caching: bool = True  # share full KV blocks of equal (weights, token prefix) across requests
     prefix_cache_max_blocks: int | None = None  # unreferenced cached blocks kept at most (None: any free block)
+
+    def __post_init__(self):
+        if torch.device(self.device).type == "cuda" and self.dtype not in (torch.float16, torch.bfloat16):
+            # the SGMV, attention and small-op kernels are compiled for half types only
+            raise ValueError(f"dtype {self.dtype} is not served on CUDA: use torch.float16 or torch.bfloat16")

@@ -85,7 +85,10 @@ def test_constrained_requests_launched_ahead_equal_steps_run_in_turn(model_dir):
     out = {}
     for ahead in (True, False):
         engine = build_engine(
-            path, EngineConfig(max_num_seqs=32, num_kv_blocks=1024, device="cuda"), {}, tokenizer=tokenizer
+            path,
+            EngineConfig(max_num_seqs=32, num_kv_blocks=1024, dtype=torch.float16, device="cuda"),
+            {},
+            tokenizer=tokenizer,
         )
         assert engine.runner.graphs is not None
         if not ahead:
