@@ -5,6 +5,8 @@ each adapter are packed into one buffer — pinned on CUDA, in the serving dtype
 laid out as the GPU pool's slots want it (see ``pack``) — so the pool's
 host→device copy is one truly asynchronous transfer. Eviction only drops the
 cache's reference: an adapter still held by a loader stays valid until released.
+The budget counts what is really held: a pinned buffer at torch's pinned block size
+(``pinned_bytes``), not at the bytes asked for.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class HostCacheConfig:
 
 def pack(weights: LoraWeights, pin: bool, dtype: torch.dtype = torch.float32) -> LoraWeights:
     """The same adapter in one contiguous (pinned) ``dtype`` buffer: per module, every
-    layer's A, then every layer's B transposed ([rank, out], the GPU pool's layout)."""
+    layer's A, then every layer's B transposed ([rank, out], the GPU pool's layout).
+    Each matrix is copied (and converted) straight into its place: no temporary."""
     by_module: dict[str, list[int]] = {}
     for layer, m in sorted(weights.tensors):
         by_module.setdefault(m, []).append(layer)
@@ -45,7 +48,9 @@ def pack(weights: LoraWeights, pin: bool, dtype: torch.dtype = torch.float32) ->
     def block(matrices: list[torch.Tensor]) -> torch.Tensor:
         nonlocal offset
         view = flat[offset : offset + sum(t.numel() for t in matrices)].view(len(matrices), *matrices[0].shape)
-        view.copy_(torch.stack(matrices))
+        # straight into place (converting if need be): for B^T ~2.5x faster here than a copy_ per
+        # layer (torch's 2-D transposing copy of fp16 is slow) and no temporary like stack-then-copy
+        torch.stack(matrices, out=view)
         offset += view.numel()
         return view
 
@@ -57,6 +62,23 @@ def pack(weights: LoraWeights, pin: bool, dtype: torch.dtype = torch.float32) ->
     return replace(weights, tensors=tensors, buffer=flat, stacks=stacks)
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """What torch's CachingHostAllocator page-locks for a pinned request of nbytes: the next power
+    of two (ATen/core/CachingHostAllocator.h, pinned_max_round_threshold unset), e.g. 128 MiB for a
+    Llama-2-7B rank-16 fp16 adapter of 76.25 MiB. A freed block goes back to its free list and is
+    reused for the next request of that size once the copies recorded on it are done; so an evicted
+    adapter's buffer, once nothing holds it, is the next cold load's without a new cudaHostAlloc."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
+
+
+def held_bytes(weights: LoraWeights) -> int:
+    """The host memory this adapter really holds (what the budget counts)."""
+    buf = weights.buffer
+    if buf is not None and buf.is_pinned():
+        return pinned_bytes(buf.untyped_storage().nbytes())
+    return weights.nbytes
+
+
 class HostCache:
     def __init__(self, config: HostCacheConfig, on_evict: Callable[[AdapterKey], None] = lambda key: None):
         self.config = config
@@ -64,7 +86,8 @@ class HostCache:
         self._on_evict = on_evict
         self._lock = threading.Lock()
         self._entries: OrderedDict[AdapterKey, LoraWeights] = OrderedDict()  # LRU, oldest first
-        self.nbytes = 0
+        self._cost: dict[AdapterKey, int] = {}  # held_bytes of each entry, as charged
+        self.nbytes = 0  # host bytes held by the entries: pinned blocks counted at their real size
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -88,20 +111,24 @@ class HostCache:
             and weights.buffer.dtype == self.config.dtype
             and (not self.pin or weights.buffer.is_pinned())
         )
-        if (self.pin or self.config.dtype != torch.float32) and not packed:
+        # parsed tensors keep the file's dtype (fp16 of an fp16 file): the cache holds the serving dtype
+        foreign = any(t.dtype != self.config.dtype for pair in weights.tensors.values() for t in pair)
+        if (self.pin or self.config.dtype != torch.float32 or foreign) and not packed:
             weights = pack(weights, pin=self.pin, dtype=self.config.dtype)
-        if weights.nbytes > self.config.budget_bytes:
-            log.warning("adapter %s (%d bytes) exceeds the host cache budget: served uncached", key, weights.nbytes)
+        cost = held_bytes(weights)
+        if cost > self.config.budget_bytes:
+            log.warning("adapter %s (%d bytes) exceeds the host cache budget: served uncached", key, cost)
             return weights
         evicted = []
         with self._lock:
             if key in self._entries:  # a racing load of the same version: keep the first
                 return self._entries[key]
             self._entries[key] = weights
-            self.nbytes += weights.nbytes
+            self._cost[key] = cost
+            self.nbytes += cost
             while self.nbytes > self.config.budget_bytes:
-                old_key, old = self._entries.popitem(last=False)
-                self.nbytes -= old.nbytes
+                old_key, _ = self._entries.popitem(last=False)
+                self.nbytes -= self._cost.pop(old_key)
                 evicted.append(old_key)
         for old_key in evicted:
             self._on_evict(old_key)
@@ -111,4 +138,5 @@ class HostCache:
         """Forget every version of an adapter (it was unregistered)."""
         with self._lock:
             for key in [k for k in self._entries if k[0] == name]:
-                self.nbytes -= self._entries.pop(key).nbytes
+                del self._entries[key]
+                self.nbytes -= self._cost.pop(key)

@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from adapters_store.errors import (
     UnknownAdapterError,
 )
 from adapters_store.gpu_pool import adapter_bytes
-from adapters_store.host_cache import HostCache, HostCacheConfig
+from adapters_store.host_cache import HostCache, HostCacheConfig, pinned_bytes
 from adapters_store.manifest import parse_manifest
 from adapters_store.metrics import StoreMetrics
 from adapters_store.paths import NAME, S3Uri, check_name, parse_uri
@@ -62,11 +62,12 @@ class StoreConfig:
 
 def check_budgets(shape: ModelShape, config: StoreConfig) -> None:
     """Refuse, by name, a host or disk budget that cannot hold one adapter of the largest rank."""
-    for what, budget, dtype in (
-        ("adapter_cache.host_gb", config.host.budget_bytes, config.host.dtype),
-        ("adapter_cache.disk_gb", config.disk.budget_bytes, torch.float32),
-    ):  # files: fp32
-        largest = adapter_bytes(shape, config.max_rank, dtype)
+    pin = torch.cuda.is_available() if config.host.pin_memory is None else config.host.pin_memory
+    for what, budget, dtype, held in (
+        ("adapter_cache.host_gb", config.host.budget_bytes, config.host.dtype, pinned_bytes if pin else int),
+        ("adapter_cache.disk_gb", config.disk.budget_bytes, torch.float32, int),
+    ):  # files: fp32; a pinned buffer holds torch's whole pinned block
+        largest = held(adapter_bytes(shape, config.max_rank, dtype))
         if budget < largest:
             raise ValueError(
                 f"{what} ({budget} bytes) holds no adapter: one of rank {config.max_rank} on "
@@ -300,8 +301,8 @@ class AdapterStore:
             blob, tier = source.read_weights(snap)
             if tier != "local":
                 self.metrics.event("disk", "hit" if tier == "disk" else "miss")
-            parsed = parse_weights(name, parse_manifest(snap.config, self.config.max_rank), blob, self.shape)
-            weights = self.host.put(replace(parsed, version=snap.version))
+            manifest = parse_manifest(snap.config, self.config.max_rank)
+            weights = self.host.put(parse_weights(name, manifest, blob, self.shape, snap.version))
             self.metrics.load(tier, len(blob), time.monotonic() - start)
             return weights
         except (AdapterNotFoundError, InvalidAdapterError, SourceChangedError) as exc:
