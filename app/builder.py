@@ -14,6 +14,7 @@ from ray.serve import Application
 
 from app.auth import check_bind, serve_bind_host
 from app.config import parse_args
+from app.engine.factory import load_tokenizer
 from app.ingress import Ingress
 from app.model.default import DEFAULT_MODEL_NAME
 from app.model.family import check_checkpoint
@@ -26,8 +27,11 @@ def build_app(args: dict) -> Application:
     return app_from_args(args)
 
 
-def app_from_args(args: dict | None, engine_factory: Callable = build_async_engine) -> Application:
-    """engine_factory(ReplicaSettings) → AsyncEngine: the seam tests use to swap the engine."""
+def app_from_args(
+    args: dict | None, engine_factory: Callable = build_async_engine, tokenizer_loader: Callable = load_tokenizer
+) -> Application:
+    """engine_factory(ReplicaSettings) → AsyncEngine, tokenizer_loader(path) → the Ingress's
+    tokenizer: the seams tests use to swap the engine and to observe a tokenization."""
     settings = parse_args(args, DEFAULT_MODEL_NAME)
     check_bind(serve_bind_host(), settings.admin_key)  # `serve run`/`serve deploy`: Serve is up by now
     if settings.model is None:
@@ -43,7 +47,7 @@ def app_from_args(args: dict | None, engine_factory: Callable = build_async_engi
         registry,
         engine_factory,
     )
-    return Ingress.options(**settings.ingress_options).bind(settings, replica, registry)
+    return Ingress.options(**settings.ingress_options).bind(settings, replica, registry, tokenizer_loader)
 
 
 def _single_replica(options: dict) -> bool:

@@ -9,6 +9,7 @@ import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 
@@ -114,3 +115,69 @@ def engine_with_flaky_adapter_load(settings):
 
     pool._load = load_or_fail
     return engine
+
+
+# A prompt that starts so is held inside the Ingress's tokenizer call until the test opens the
+# gate: the test then knows, without timing, that a tokenization is under way on the Ingress.
+GATED_PREFIX = "<<held-in-the-tokenizer>> "
+_GATE = ("tokenize-gate", "loraplex-tests")  # a named actor (name, namespace): test and Ingress meet there
+
+
+class _Gate:
+    def __init__(self):
+        import asyncio
+
+        self.entered, self.opened = asyncio.Event(), asyncio.Event()
+
+    async def enter(self):
+        self.entered.set()
+
+    async def wait_entered(self):
+        await self.entered.wait()
+
+    async def open(self):
+        self.opened.set()
+
+    async def wait_opened(self):
+        await self.opened.wait()
+
+
+def gated_tokenizer(path):
+    """The checkpoint's tokenizer, whose call on a GATED_PREFIX text tells the gate it has
+    begun and then waits (on the Ingress's pool thread) until the gate is opened."""
+    import ray
+
+    from app.engine.factory import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+
+    class Gated(type(tokenizer)):
+        def __call__(self, text, *args, **kwargs):
+            if isinstance(text, str) and text.startswith(GATED_PREFIX):
+                gate = ray.get_actor(_GATE[0], namespace=_GATE[1])
+                ray.get(gate.enter.remote())
+                ray.get(gate.wait_opened.remote())
+            return super().__call__(text, *args, **kwargs)
+
+    tokenizer.__class__ = Gated  # the per-thread deep copies keep the class
+    return tokenizer
+
+
+@contextmanager
+def tokenize_gate(timeout_s: float = 120.0):
+    """Yields the gate: .entered() is True once a GATED_PREFIX tokenization holds there (False
+    after timeout_s, a bound only a broken Ingress reaches), .open() lets it go on. Open it
+    before waiting for that request; on the way out it is opened (again) and removed."""
+    import ray
+
+    actor = ray.remote(num_cpus=0)(_Gate).options(name=_GATE[0], namespace=_GATE[1]).remote()
+
+    def entered() -> bool:
+        ready, _ = ray.wait([actor.wait_entered.remote()], timeout=timeout_s)
+        return bool(ready)
+
+    try:
+        yield SimpleNamespace(entered=entered, open=lambda: ray.get(actor.open.remote()))
+    finally:
+        ray.get(actor.open.remote())
+        ray.kill(actor)

@@ -8,22 +8,26 @@ are unchanged and the replica is empty. One Ray cluster serves the whole module.
 import json
 import random
 import shutil
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from app.builder import app_from_args
+from app.config import parse_args
 from app.generate import EXAMPLE_ADAPTERS
 from app.model.default import DEFAULT_MODEL_NAME as BASE
 from tests.app_fixtures import (
     APP,
     FLAKY_ADAPTER,
+    GATED_PREFIX,
     config_args,
     engine_with_flaky_adapter_load,
+    gated_tokenizer,
     replica_stats,
     serving,
+    tokenize_gate,
     wait_for,
 )
 from tests.error_hygiene import checked_client, checked_openai
@@ -49,6 +53,8 @@ from tests.isolation_checks import (
 )
 from tests.isolation_fuzz import FUZZ_COUNT, FUZZ_SEED, fuzz_request, send
 
+_CHUNK = 1 << 16  # the 10 MB body's pieces, as a client streaming it would send them
+
 pytestmark = pytest.mark.skipif(len(ADAPTERS) < 3, reason="needs the example adapters in examples/adapters/")
 
 
@@ -62,8 +68,14 @@ def args(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def server(args):
-    with serving({APP: (app_from_args(args, engine_factory=engine_with_flaky_adapter_load), "/")}) as url:
+    with serving({APP: (isolation_app(args), "/")}) as url:
         yield url
+
+
+def isolation_app(args):
+    """The application with two faults the tests can trigger: an adapter whose load fails, and
+    a prompt held inside the tokenizer (tests/app_fixtures.py)."""
+    return app_from_args(args, engine_factory=engine_with_flaky_adapter_load, tokenizer_loader=gated_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -110,35 +122,49 @@ def test_a_hostile_request_fails_alone(http, dirs, solo, case):
     assert wait_for(replica_idle, timeout=30), replica_stats()
 
 
-def test_a_10_mb_body_does_not_hold_up_a_small_request(http, server):
-    body = json.dumps({"model": BASE, "messages": [{"role": "user", "content": "a " * 5_000_000}]}).encode()
+def test_a_10_mb_body_does_not_hold_up_a_small_request(http, server, args):
+    """The 10 MB body streams in (chunked: no Content-Length to refuse it by): as many bytes as
+    the limit allows go first, then the rest waits until a small request sent meanwhile has been
+    answered. That answer came while the big body was still arriving, by construction."""
+    payload = json.dumps({"model": BASE, "messages": [{"role": "user", "content": "a " * 5_000_000}]}).encode()
+    held = parse_args(args, BASE).max_body_bytes  # up to the limit the server must keep reading
+    first_part_sent, small_answered = threading.Event(), threading.Event()
+
+    def body():
+        yield from (payload[i : min(i + _CHUNK, held)] for i in range(0, held, _CHUNK))
+        first_part_sent.set()  # httpx asks for more only once it has written all of the above
+        small_answered.wait()
+        yield from (payload[i : i + _CHUNK] for i in range(held, len(payload), _CHUNK))
+
     with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=server, timeout=120) as big_client:
-        big = pool.submit(big_client.post, CHATS, content=body, headers={"content-type": "application/json"})
-        start = time.monotonic()
-        small = http.post(COMPLETIONS, json=completion(max_tokens=1))
-        small_s = time.monotonic() - start
+        big = pool.submit(big_client.post, CHATS, content=body(), headers={"content-type": "application/json"})
+        try:
+            assert first_part_sent.wait(timeout=120), big.exception(timeout=0) if big.done() else "not sent"
+            small = http.post(COMPLETIONS, json=completion(max_tokens=1))  # its timeout: only if held up
+            in_flight = not big.done()
+        finally:
+            small_answered.set()  # the rest of the body goes, whatever happened
         assert big.result().status_code == 413, big.result().text
-    assert small.status_code == 200 and small_s < 2.0, (small.status_code, small_s)
+    assert small.status_code == 200 and in_flight, (small.status_code, small.text)
 
 
 def test_a_large_prompt_is_tokenized_off_the_event_loop(http, server):
-    """A prompt just under the body limit takes seconds to tokenize: a small request sent
-    meanwhile is answered first (the tokenizer runs on a pool thread, not the event loop)."""
-    body = {"model": BASE, "prompt": "hello world " * 300_000, "max_tokens": 1}  # 3.6 MB: fails the context check
-    done = {}
-    with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=server, timeout=120) as big_client:
-
-        def big_request():
-            r = big_client.post(COMPLETIONS, json=body)
-            done["big"] = time.monotonic()
-            return r
-
-        big = pool.submit(big_request)
-        time.sleep(0.5)  # the big body is in
-        small = http.post(COMPLETIONS, json=completion(max_tokens=1))
-        done["small"] = time.monotonic()
-        assert big.result().status_code == 400 and big.result().json()["error"]["code"] == "context_length_exceeded"
-    assert small.status_code == 200 and done["small"] < done["big"], done
+    """A prompt just under the body limit is held inside the Ingress's tokenizer call (the gate
+    of tests/app_fixtures.py) until a small request sent meanwhile has been answered: had the
+    tokenizer run on the event loop, nothing could be answered then (it runs on a pool thread)."""
+    body = {"model": BASE, "prompt": GATED_PREFIX + "hello world " * 300_000, "max_tokens": 1}  # 3.6 MB
+    with tokenize_gate() as gate:
+        with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=server, timeout=120) as big_client:
+            big = pool.submit(big_client.post, COMPLETIONS, json=body)
+            try:
+                assert gate.entered(), big.result(timeout=0).text if big.done() else "the tokenizer never began"
+                small = http.post(COMPLETIONS, json=completion(max_tokens=1))  # its timeout: only if the loop is held
+                tokenizing = not big.done()
+            finally:
+                gate.open()
+            big = big.result()
+    assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded", big.text
+    assert small.status_code == 200 and tokenizing, (small.status_code, small.text)
 
 
 # -- fuzz ------------------------------------------------------------------------------------------
@@ -196,7 +222,7 @@ def test_a_registration_survives_an_app_restart(http, args, tmp_path):
 
     serve.delete(APP)  # the application is gone, its registry actor included
     assert httpx.get(f"{http.base_url}/v1/models").status_code == 404
-    serve.run(app_from_args(args, engine_factory=engine_with_flaky_adapter_load), name=APP, route_prefix="/")
+    serve.run(isolation_app(args), name=APP, route_prefix="/")
 
     assert http.get(ADMIN).json()["data"] == listed_before
     assert {"tenant-copy", OVERFLOWING, FLAKY_ADAPTER} <= {a["name"] for a in listed_before}
