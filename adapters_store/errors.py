@@ -1,5 +1,5 @@
 """What the store raises. Every error is an AdapterError; the serving app decides
-how each is answered (app/http_errors.py maps them to HTTP statuses).
+how each is answered (app/openai/http_errors.py maps them to HTTP statuses).
 
 Permanent (the store remembers them for ``miss_ttl_s``): the adapter does not
 exist, cannot be served, or its name or URI is refused. Transient (the next

@@ -101,3 +101,10 @@ class LocalSource:
         if hashlib.sha256(blob).hexdigest() != snap.weights.sha256:
             raise SourceChangedError(f"{self.uri}/{WEIGHTS_FILE} changed while loading; retry")
         return blob, "local"
+
+
+def local_adapters(root: Path) -> dict[str, str]:
+    """Every PEFT directory directly under root, by directory name."""
+    if not root.is_dir():
+        return {}
+    return {d.name: str(d) for d in sorted(root.iterdir()) if (d / CONFIG_FILE).is_file()}

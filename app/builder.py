@@ -12,14 +12,14 @@ from collections.abc import Callable
 
 from ray.serve import Application
 
-from app.auth import check_bind, serve_bind_host
-from app.config import parse_args
 from app.engine.factory import load_tokenizer
-from app.ingress import Ingress
 from app.model.default import DEFAULT_MODEL_NAME
 from app.model.family import check_checkpoint
-from app.registry import AdapterRegistry, scan
-from app.replica import LoraReplica, ReplicaSettings, build_async_engine
+from app.openai.auth import check_bind, serve_bind_host
+from app.openai.ingress import Ingress
+from app.serving.config import parse_args
+from app.serving.registry import AdapterRegistry, scan
+from app.serving.replica import LoraReplica, ReplicaSettings, build_async_engine
 
 
 def build_app(args: dict) -> Application:
@@ -52,7 +52,7 @@ def app_from_args(
 
 def _single_replica(options: dict) -> bool:
     """A preempted request can only re-queue where it is; with several (or autoscaled)
-    replicas it moves to another one (app/client_stream.py)."""
+    replicas it moves to another one (app/openai/client_stream.py)."""
     return options.get("num_replicas") == 1 and "autoscaling_config" not in options
 
 

@@ -1,5 +1,5 @@
 """The serving app's own errors, and the store's re-exported under the names the app
-uses. Each is answered with the status and code app/http_errors.py gives its class."""
+uses. Each is answered with the status and code app/openai/http_errors.py gives its class."""
 
 from adapters_store.errors import (
     AdapterError,

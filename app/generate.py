@@ -11,6 +11,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from adapters_store.sources import local_adapters
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
@@ -18,13 +19,6 @@ from app.errors import LoraplexError
 from app.protocol import GenerateRequest, SamplingParams
 
 EXAMPLE_ADAPTERS = Path(__file__).resolve().parent.parent / "examples" / "adapters"
-
-
-def local_adapters(root: Path) -> dict[str, str]:
-    """Every PEFT directory directly under root, by directory name."""
-    if not root.is_dir():
-        return {}
-    return {d.name: str(d) for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()}
 
 
 def _args(argv):

@@ -12,7 +12,7 @@ Two phases, every stream checked token for token against its uninterrupted outpu
 Replicas run the simulated engine core (tests/simulated_engine.py: the real scheduler,
 KV accounting and preemption; a step sleeps a fixed time; tokens are a fixed function of
 prompt and position, so a resumed stream is checked exactly). The client is this
-process: a DeploymentHandle + app.client_stream's ResubmittingStream, as in the ingress.
+process: a DeploymentHandle + app.openai.client_stream's ResubmittingStream, as in the ingress.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ FAILOVER_WAIT_S = 120  # a moved request may wait this long for a replica (repla
 def deploy(app: str, num_kv_blocks: int):
     from ray import serve
 
-    from app.config import parse_args
     from app.engine.config import EngineConfig
-    from app.replica import LoraReplica, ReplicaSettings
+    from app.serving.config import parse_args
+    from app.serving.replica import LoraReplica, ReplicaSettings
     from tests.simulated_engine import StepTime, simulated_engine
 
     args = {
@@ -75,7 +75,7 @@ def replica_reports(app: str) -> list[dict]:
 
 
 async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float, disconnect: float, seed: int):
-    from app.client_stream import MigrationPolicy, ResubmittingStream
+    from app.openai.client_stream import MigrationPolicy, ResubmittingStream
     from app.protocol import GenerateRequest, SamplingParams
     from tests.simulated_engine import simulated_token
 

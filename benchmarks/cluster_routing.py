@@ -11,7 +11,7 @@ the H200 roofline of Llama-2-7B from measured figures, stretched ×20 to fit two
 and emit a token sequence that is a fixed function of prompt and position, so every
 stream is checked token for token: lost = a request not complete, duplicated = tokens
 beyond or different from the expected ones. The client is this process (DeploymentHandle
-+ app.client_stream's ResubmittingStream, as in the ingress).
++ app.openai.client_stream's ResubmittingStream, as in the ingress).
 
 Per router: per-replica batch over time (PNG, Punica Fig. 13 bottom panel), the share of
 replica-time at batch 0 or at max batch, replicas that sat idle (never above batch 0),
@@ -43,11 +43,11 @@ REPLICAS, MAX_BATCH, PROMPT, NEW_TOKENS = 4, 8, 32, (16, 48)
 async def run_router(router: str, arrivals: list[float], seed: int) -> dict:
     from ray import serve
 
-    from app.client_stream import MigrationPolicy, ResubmittingStream
-    from app.config import parse_args
     from app.engine.config import EngineConfig
+    from app.openai.client_stream import MigrationPolicy, ResubmittingStream
     from app.protocol import GenerateRequest, SamplingParams
-    from app.replica import LoraReplica, ReplicaSettings
+    from app.serving.config import parse_args
+    from app.serving.replica import LoraReplica, ReplicaSettings
     from tests.simulated_engine import StepTime, simulated_engine, simulated_token
 
     app = f"routing-{router}"

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from adapters_store.sources import local_adapters
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
-from app.generate import EXAMPLE_ADAPTERS, local_adapters
+from app.generate import EXAMPLE_ADAPTERS
 from app.model.default import default_model_dir
 from app.protocol import GenerateRequest, SamplingParams
 

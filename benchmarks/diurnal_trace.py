@@ -10,7 +10,7 @@ each request 64 prompt tokens and 32 new ones, streamed. Up to 8 LoraReplica rep
 (0.1 CPU each) run the simulated engine core (tests/simulated_engine.py): the real scheduler
 and KV accounting, and a step that sleeps the step-time model below instead of computing.
 The client is this process: a DeploymentHandle (whose router is the deployment's) and
-app.client_stream's ResubmittingStream, as in the ingress; HTTP is left out so two cores
+app.openai.client_stream's ResubmittingStream, as in the ingress; HTTP is left out so two cores
 can carry the token rate.
 
 Step-time model, from the measured GPU engine (benchmarks/results/e2e_throughput_h200.json,
@@ -65,7 +65,7 @@ def trace(duration_s: float, peak_rps: float, seed: int) -> list[tuple[float, st
 
 
 def deployment_options(policy: str) -> dict:
-    from app.config import parse_args
+    from app.serving.config import parse_args
 
     autoscaling = {
         "min_replicas": 1,
@@ -130,7 +130,7 @@ class Sampler:
 def simulated_replica(policy: str):
     """The LoraReplica deployment with the simulated engine core (the CPU run)."""
     from app.engine.config import EngineConfig
-    from app.replica import LoraReplica, ReplicaSettings
+    from app.serving.replica import LoraReplica, ReplicaSettings
     from tests.simulated_engine import StepTime, simulated_engine
 
     settings = ReplicaSettings(
@@ -154,7 +154,7 @@ async def run_policy(
     (``step``: the step-time model the replicas sleep, None for a real engine)."""
     from ray import serve
 
-    from app.client_stream import MigrationPolicy, ResubmittingStream
+    from app.openai.client_stream import MigrationPolicy, ResubmittingStream
     from app.protocol import GenerateRequest, SamplingParams
 
     app = f"diurnal-{policy}"

@@ -69,8 +69,8 @@ def gpu_engine(model_dir: str, adapters: dict[str, str], settings):
 
 
 def gpu_replica(model_dir: pathlib.Path, adapters: dict[str, str]):
-    from app.config import parse_args
-    from app.replica import LoraReplica, ReplicaSettings
+    from app.serving.config import parse_args
+    from app.serving.replica import LoraReplica, ReplicaSettings
 
     autoscaling = {
         "min_replicas": 1,

@@ -238,7 +238,7 @@ def main(tiny: bool) -> None:
     from ray import serve
 
     from app.builder import app_from_args
-    from app.config import parse_args
+    from app.serving.config import parse_args
 
     root = pathlib.Path("/tmp/serve_throughput")
     started = time.time()

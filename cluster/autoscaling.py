@@ -31,7 +31,7 @@ at the newest end, the ones Ray stops. The router keeps a busy replica busy, so 
 can stay busy while an older one idles: that older one is released after a further
 `busy_newer_wait_s`, Ray then stops the busy newer replica in its place, and the router
 sees it leave the running set: each of its streams is cancelled there and resumed on
-another replica (app/client_stream.py), so no stream is lost.
+another replica (app/openai/client_stream.py), so no stream is lost.
 
 The delays are applied here, per replica and per waiting request, so `ray_autoscaling
 _config` hands them to the policy and sets Ray's own delay timer (which counts

@@ -42,7 +42,7 @@ _leaving_listeners: list[Callable[[set[str]], None]] = []
 
 def on_replicas_leaving(listener: Callable[[set[str]], None]) -> None:
     """Call ``listener(replica ids)`` whenever a router in this process sees replicas leave
-    the running set: the caller's side (app/client_stream.py) moves their streams."""
+    the running set: the caller's side (app/openai/client_stream.py) moves their streams."""
     _leaving_listeners.append(listener)
 
 

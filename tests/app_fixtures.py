@@ -34,7 +34,8 @@ def free_port() -> int:
 
 
 def example_adapter_names() -> list[str]:
-    from app.generate import EXAMPLE_ADAPTERS, local_adapters
+    from adapters_store.sources import local_adapters
+    from app.generate import EXAMPLE_ADAPTERS
 
     return sorted(local_adapters(EXAMPLE_ADAPTERS))
 
@@ -82,7 +83,7 @@ FAIL_SEED = 4242  # a request with this seed makes the engine's step fail once i
 
 def engine_failing_on_seed(settings):
     """A real engine, plus a fault to inject: the step fails while a FAIL_SEED request runs."""
-    from app.replica import build_async_engine
+    from app.serving.replica import build_async_engine
 
     engine = build_async_engine(settings)
     core, step = engine.core, engine.core.step
@@ -102,7 +103,7 @@ FLAKY_ADAPTER = "flaky"  # an adapter of this name parses fine but fails its cop
 def engine_with_flaky_adapter_load(settings):
     """A real engine whose pool fails to load the adapter named FLAKY_ADAPTER (as a failed
     host→device copy would), mid-batch, while every other adapter loads as usual."""
-    from app.replica import build_async_engine
+    from app.serving.replica import build_async_engine
 
     engine = build_async_engine(settings)
     pool = engine.core.model.lora_pool

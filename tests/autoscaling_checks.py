@@ -9,11 +9,11 @@ import threading
 import time
 import uuid
 
-from app.client_stream import MigrationPolicy, ResubmittingStream
-from app.config import parse_args
 from app.engine.config import EngineConfig
+from app.openai.client_stream import MigrationPolicy, ResubmittingStream
 from app.protocol import ErrorChunk, GenerateRequest, SamplingParams
-from app.replica import LoraReplica, ReplicaSettings
+from app.serving.config import parse_args
+from app.serving.replica import LoraReplica, ReplicaSettings
 from tests.app_fixtures import config_args
 from tests.simulated_engine import StepTime, simulated_engine, simulated_token
 

@@ -4,9 +4,9 @@ uninterrupted float64 engine (the reference), one client's view of a stream, rep
 import ray
 import torch
 
-from app.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
+from app.openai.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
 from app.protocol import GenerateRequest, SamplingParams, TokenChunk
 from tests.app_fixtures import wait_for
 from tests.cluster_fixtures import replica_ids, replica_report

@@ -44,7 +44,7 @@ def make_tiny_chat_llama(path: Path, seed: int = 0) -> Path:
 
 def slowed_engine(settings, delay_s: float = STEP_DELAY_S):
     """The real engine, each step delay_s slower (a GPU-sized step on a tiny CPU model)."""
-    from app.replica import build_async_engine
+    from app.serving.replica import build_async_engine
 
     engine = build_async_engine(settings)
     step = engine.core.step
@@ -89,8 +89,8 @@ def deploy_replicas(app: str, args: dict, adapters: tuple, engine_factory) -> No
     replica count can be changed in place by `scale` (Serve's external scaler API)."""
     from ray import serve
 
-    from app.config import parse_args
-    from app.replica import LoraReplica, ReplicaSettings
+    from app.serving.config import parse_args
+    from app.serving.replica import LoraReplica, ReplicaSettings
 
     settings = parse_args(args, "model")
     replica = LoraReplica.options(**settings.replica_options).bind(

@@ -11,10 +11,10 @@ import pytest
 from adapters_store.errors import AdapterNotFoundError
 from adapters_store.host_cache import HostCacheConfig
 from adapters_store.store import AdapterStore, StoreConfig
-from app.config import ConfigError, parse_args
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.protocol import GenerateRequest, SamplingParams
+from app.serving.config import ConfigError, parse_args
 from tests.helpers import make_tiny_llama, run_to_completion
 from tests.store_helpers import TINY_SHAPE, one_torch_thread, store_config, upload_dir, write_adapter  # noqa: F401
 

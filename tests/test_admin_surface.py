@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from app.admin import OUTSIDE_ROOTS, AdapterAdmin, RegisterAdapter
-from app.auth import Auth, check_bind, is_loopback
-from app.config import ConfigError, parse_args
 from app.errors import AdapterNotFoundError, InvalidAdapterError, PermissionDeniedError
-from app.http_errors import answer
-from app.registry import AdapterSpec
+from app.openai.admin import OUTSIDE_ROOTS, AdapterAdmin, RegisterAdapter
+from app.openai.auth import Auth, check_bind, is_loopback
+from app.openai.http_errors import answer
+from app.serving.config import ConfigError, parse_args
+from app.serving.registry import AdapterSpec
 from tests.error_hygiene import leaks
 
 
@@ -147,7 +147,7 @@ def test_build_app_refuses_a_public_bind_without_an_admin_key(monkeypatch, roots
 
 
 def test_an_adapter_whose_directory_is_gone_is_listed_unavailable(tmp_path):
-    from app.admin import spec_json
+    from app.openai.admin import spec_json
 
     here = _adapter(tmp_path / "here")
     assert spec_json(AdapterSpec("here", str(here), 0, "v"))["available"] is True
@@ -175,7 +175,7 @@ def test_vllm_load_and_unload_routes_are_register_and_unregister(roots):
     loaded name is replaced only with load_inplace (vLLM's rule)."""
     from pydantic import ValidationError
 
-    from app.admin import LoadLoraAdapter, UnloadLoraAdapter
+    from app.openai.admin import LoadLoraAdapter, UnloadLoraAdapter
 
     root, outside, settings = roots
     replica, registry = _Replica(), _Names()

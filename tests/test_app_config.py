@@ -5,10 +5,10 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from app.auth import Auth, AuthenticationError, PermissionDeniedError
-from app.config import ApiKey, ConfigError, parse_args
 from app.errors import ContextLengthError
-from app.openai_requests import ChatCompletionRequest, CompletionRequest
+from app.openai.auth import Auth, AuthenticationError, PermissionDeniedError
+from app.openai.requests import ChatCompletionRequest, CompletionRequest
+from app.serving.config import ApiKey, ConfigError, parse_args
 from tests.app_fixtures import REPO
 
 

@@ -8,12 +8,13 @@ import threading
 import pytest
 from openai import BadRequestError, NotFoundError
 
+from adapters_store.sources import local_adapters
 from app.builder import build_app
-from app.config import parse_args
 from app.engine.factory import build_engine
-from app.generate import EXAMPLE_ADAPTERS, local_adapters
+from app.generate import EXAMPLE_ADAPTERS
 from app.model.default import DEFAULT_MODEL_NAME as BASE
 from app.protocol import GenerateRequest, SamplingParams
+from app.serving.config import parse_args
 from tests.app_fixtures import APP, config_args, example_adapter_names, replica_stats, serving
 from tests.error_hygiene import checked_openai
 

@@ -1,7 +1,7 @@
 """The autoscaling policy's decisions as a pure function (no Ray), and how serve_config's
 autoscaling_config becomes Ray's."""
 
-from app.config import parse_args
+from app.serving.config import parse_args
 from cluster.autoscaling import POLICY_PATH, PolicyConfig, ReplicaLoad, decide, ray_autoscaling_config
 
 CFG = PolicyConfig(upscale_delay_s=2.0, downscale_delay_s=10.0, high_water=0.9)

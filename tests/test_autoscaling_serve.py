@@ -6,7 +6,7 @@ endpoint.
 Replicas run the simulated engine core (tests/simulated_engine.py: the real scheduler, a
 fixed 50 ms step instead of a model), so a stream's length is known and three replicas
 fit two cores. Requests go through a DeploymentHandle (the deployment's consolidating
-router) and app.client_stream's ResubmittingStream, as in the ingress. Each request logs
+router) and app.openai.client_stream's ResubmittingStream, as in the ingress. Each request logs
 the replicas that accepted it (the routing log); tests/replica_watch.py samples every
 replica actor's stats.
 """

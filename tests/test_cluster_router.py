@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from ray.exceptions import ActorDiedError
 
-from app.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
+from app.openai.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
 from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, SamplingParams, TokenChunk
 from cluster.router import Need, Policy, ReplicaView, rank
 from cluster.stats import ReplicaStats

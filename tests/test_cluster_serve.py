@@ -15,9 +15,9 @@ import pytest
 import ray
 
 from app.builder import app_from_args
-from app.client_stream import MigrationPolicy, with_fixed_seed
+from app.openai.client_stream import MigrationPolicy, with_fixed_seed
 from app.protocol import ErrorChunk, GenerateRequest, SamplingParams
-from app.registry import scan
+from app.serving.registry import scan
 from tests.app_fixtures import config_args, serving, wait_for
 from tests.cluster_checks import (
     ADAPTERS,

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from adapters_store.sources import local_adapters
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
-from app.generate import EXAMPLE_ADAPTERS, local_adapters
+from app.generate import EXAMPLE_ADAPTERS
 from app.protocol import GenerateRequest, SamplingParams
 from tests.helpers import hf_greedy, run_to_completion
 

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from app.builder import app_from_args
-from app.config import parse_args
 from app.generate import EXAMPLE_ADAPTERS
 from app.model.default import DEFAULT_MODEL_NAME as BASE
+from app.serving.config import parse_args
 from tests.app_fixtures import (
     APP,
     FLAKY_ADAPTER,

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from adapters_store.s3_source import S3Config
-from app.config import ConfigError, parse_args
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.model.node_cache import ModelSourceError
 from app.model.s3_checkpoint import S3ModelConfig, fetch_checkpoint
 from app.model.source import resolve_model
 from app.protocol import GenerateRequest, SamplingParams
+from app.serving.config import ConfigError, parse_args
 from tests.fault_proxy import Fault
 from tests.helpers import run_to_completion
 
@@ -143,7 +143,7 @@ def test_the_ingress_reads_config_and_tokenizer_only(env, sharded, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from app.ingress import _load_model_files
+    from app.openai.ingress import _load_model_files
 
     words = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, 320)}}, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()

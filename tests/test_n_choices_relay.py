@@ -12,12 +12,12 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from ray.exceptions import ActorDiedError
 
-from app.choice_streams import Choices
-from app.client_stream import MigrationPolicy, collect, sse_events, with_fixed_seed
 from app.errors import InvalidRequestError
-from app.http_errors import parse_json
-from app.openai_requests import ChatCompletionRequest, CompletionRequest
-from app.openai_responses import Formatter
+from app.openai.choice_streams import Choices
+from app.openai.client_stream import MigrationPolicy, collect, sse_events, with_fixed_seed
+from app.openai.http_errors import parse_json
+from app.openai.requests import ChatCompletionRequest, CompletionRequest
+from app.openai.responses import Formatter
 from app.protocol import Accepted, GenerateRequest, Migrate, SamplingParams, TokenChunk, choice_seed
 
 POLICY = MigrationPolicy(max_migrations=3, failover_wait_s=0.2)

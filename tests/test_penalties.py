@@ -21,14 +21,14 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from app import http_errors
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.engine.sampler import adjusted, draw
 from app.engine.sampling_params import Staging, step_sampling
 from app.engine.sequence import Sequence
 from app.errors import InvalidRequestError
-from app.openai_requests import ChatCompletionRequest, CompletionRequest
+from app.openai import http_errors
+from app.openai.requests import ChatCompletionRequest, CompletionRequest
 from app.protocol import GenerateRequest, SamplingParams
 from tests.helpers import run_to_completion
 from tests.test_sampler_engine import _EagerGraphs

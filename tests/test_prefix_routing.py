@@ -67,7 +67,7 @@ def pack(tmp_path_factory):
     import ray
     from ray import serve
 
-    from app.registry import scan
+    from app.serving.registry import scan
     from tests.app_fixtures import config_args
     from tests.cluster_fixtures import deploy_replicas, make_tiny_chat_llama, slowed_engine
     from tests.helpers import make_random_adapter

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from app.registry import AdapterRegistry, AdapterSpec, RegistryUnavailableError
-from app.registry_store import LocalFile, RegistryStoreError, open_store
+from app.serving.registry import AdapterRegistry, AdapterSpec, RegistryUnavailableError
+from app.serving.registry_store import LocalFile, RegistryStoreError, open_store
 
 pytest_plugins = ["tests.s3_fixtures"]
 

@@ -1,4 +1,4 @@
-"""Coalesced streams (app/engine/async_engine.py, app/client_stream.py) on the tiny chat
+"""Coalesced streams (app/engine/async_engine.py, app/openai/client_stream.py) on the tiny chat
 model, without Serve: a reader that falls behind gets several tokens per item and their
 concatenation is the unbatched output; a reader that keeps up gets the first token alone
 at once; a stream that moves in the middle of a coalesced item resumes exactly."""
@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from app.client_stream import MigrationPolicy, ResubmittingStream, _replicas_leaving, with_fixed_seed
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
+from app.openai.client_stream import MigrationPolicy, ResubmittingStream, _replicas_leaving, with_fixed_seed
 from app.protocol import Accepted, GenerateRequest, SamplingParams, TokenChunk, coalesce, is_final
 from tests.cluster_fixtures import make_tiny_chat_llama
 from tests.simulated_engine import SimulatedCore, StepTime
@@ -241,7 +241,7 @@ def test_a_move_in_the_middle_of_a_coalesced_item_resumes_exactly(model, alone, 
 
 def test_replica_code_runs_on_serves_loop_unless_the_config_says_otherwise():
     """Serve then takes a stream's next item only after sending the previous one (coalescing)."""
-    from app.config import parse_args
+    from app.serving.config import parse_args
 
     def env(replica):
         return parse_args({"replica": replica}, "m").replica_options["ray_actor_options"]["runtime_env"]["env_vars"]

@@ -196,7 +196,7 @@ def test_serve_runs_a_tp2_replica_as_one_replica(tiny_model_dir, adapters, singl
     from ray import serve
 
     from app.builder import build_app
-    from app.config import parse_args
+    from app.serving.config import parse_args
     from tests.app_fixtures import APP, config_args, replica_stats, serving
 
     model = shutil.copytree(tiny_model_dir, tmp_path / "tiny-tp")

@@ -16,12 +16,12 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from app.engine.factory import load_tokenizer
 from app.errors import InvalidRequestError
-from app.http_errors import RequestValidationError, parse_json
 from app.model.default import default_model_dir
-from app.openai_requests import ChatCompletionRequest
-from app.openai_responses import Formatter, Output
+from app.openai.http_errors import RequestValidationError, parse_json
+from app.openai.requests import ChatCompletionRequest
+from app.openai.responses import Formatter, Output
+from app.openai.tool_calls.choice import ToolSupport, calls_schema, renders_tools, select_format
 from app.protocol import Guide, SamplingParams, TokenChunk
-from app.tool_calls.choice import ToolSupport, calls_schema, renders_tools, select_format
 from tests.tool_fixtures import ADD, HERMES_TEMPLATE, TOOLS, WEATHER
 
 USER = [{"role": "user", "content": "Weather in Paris, and 2+3?"}]

@@ -1,4 +1,4 @@
-"""Tool-call parsers (app/tool_calls/parse.py, scan.py, markers.py) on CPU: each family's format
+"""Tool-call parsers (app/openai/tool_calls/parse.py, scan.py, markers.py) on CPU: each family's format
 with random calls (random argument values, key orders, layouts) parses back to those calls,
 fed whole or in pieces cut at random places; the streamed deltas follow OpenAI's protocol and
 reassemble to exactly the non-streamed answer; text that is not a call stays content, unchanged."""
@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from app.tool_calls.markers import MarkerText, dropped_markers
-from app.tool_calls.parse import FORMATS, CallStream, constrained_format
+from app.openai.tool_calls.markers import MarkerText, dropped_markers
+from app.openai.tool_calls.parse import FORMATS, CallStream, constrained_format
 
 NAMES = ["get_weather", "add", "search_web"]
 TOOLS = frozenset(NAMES)

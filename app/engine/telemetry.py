@@ -1,7 +1,7 @@
 """What the engine measures about itself, in plain Python (no Ray here).
 
 The engine thread records each step and each token delivery into an
-EngineTelemetry; an exporter (app/engine_metrics.py inside a Serve replica)
+EngineTelemetry; an exporter (app/serving/engine_metrics.py inside a Serve replica)
 takes what accumulated with ``drain()`` once a second and publishes it. Recording
 is a few list appends under a lock, so a step pays no metrics-library cost.
 """

@@ -3,7 +3,7 @@ s3:// URI), list, unregister; and vLLM's `/v1/load_lora_adapter` and
 `/v1/unload_lora_adapter` (its bodies, its plain-text answers) as aliases of register and
 unregister, so gateways written for vLLM drive this server unchanged. A new adapter is loaded by one replica first (that
 validates it: a bad adapter is a 400 and never enters the registry); the others load
-it from its spec on their first request for it (see app/registry.py).
+it from its spec on their first request for it (see app/serving/registry.py).
 
 A registration must lie inside one of `adapter_roots`: a local path is resolved first
 (symlinks followed, `..` collapsed) and must be a directory holding adapter_config.json
@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from adapters_store.paths import NAME
 from app.errors import AdapterNotFoundError, InvalidAdapterError, InvalidRequestError
-from app.http_errors import loraplex_cause
-from app.registry import AdapterSpec
+from app.openai.http_errors import loraplex_cause
+from app.serving.registry import AdapterSpec
 
 _MAX_PATH = 4096  # Linux's PATH_MAX: longer fails in the OS (ENAMETOOLONG)
 OUTSIDE_ROOTS = "path: not an adapter directory inside the server's adapter_roots"

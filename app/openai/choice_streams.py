@@ -1,6 +1,6 @@
 """The n choices of one request (docs/n_choices.md), in the ingress: one replica call generates
 all of them, so they land on one replica and share the prompt's KV blocks there; each choice is
-read through a ResubmittingStream of its own (app/client_stream.py), so a choice that has to move
+read through a ResubmittingStream of its own (app/openai/client_stream.py), so a choice that has to move
 (its Migrate, the replica failing or leaving) re-submits alone, as the request of that choice
 (``GenerateRequest.choice``: its index, its seed, its relayed tokens) — the moves of one choice
 never touch the others, and every choice ends exactly once.
@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 
-from app.client_stream import MigrationPolicy, ResubmittingStream
+from app.openai.client_stream import MigrationPolicy, ResubmittingStream
 from app.protocol import ErrorChunk, GenerateRequest, Migrate, TokenChunk, is_final
 
 _END = object()

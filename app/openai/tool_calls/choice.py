@@ -21,9 +21,9 @@ from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from app.errors import InvalidRequestError
+from app.openai.tool_calls.markers import MarkerText, dropped_markers
+from app.openai.tool_calls.parse import FORMATS, CallStream, Delta, Format, constrained_format
 from app.protocol import Guide, SamplingParams
-from app.tool_calls.markers import MarkerText, dropped_markers
-from app.tool_calls.parse import FORMATS, CallStream, Delta, Format, constrained_format
 
 _FAMILY_FORMATS = {"qwen2": "hermes", "qwen3": "hermes", "mistral": "mistral"}
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: parameters omitted

@@ -7,7 +7,7 @@ the ingress resolves each request's adapter here and sends its AdapterSpec
 engine's AdapterStore then loads it and tracks its content version); each change
 bumps an epoch, and a replica that sees a newer epoch re-reads the list and
 drops the adapters that were unregistered. With `registry_path` set (a local file
-or an s3:// object, app/registry_store.py), every change is written there before it
+or an s3:// object, app/serving/registry_store.py), every change is written there before it
 is acknowledged and a (re)started registry starts from `adapter_dirs` with the saved
 changes on top: names registered at run time come back, unregistered ones stay gone.
 Without it, runtime registrations live in this actor's memory only.
@@ -22,7 +22,7 @@ from ray import serve
 
 from adapters_store.paths import NAME
 from app.errors import RegistryUnavailableError
-from app.registry_store import FORMAT, open_store
+from app.serving.registry_store import FORMAT, open_store
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ class AdapterSpec:
 
 def scan(dirs) -> list[AdapterSpec]:
     """Every PEFT directory directly under each of dirs (a later dir wins a name clash)."""
-    from adapters_store.sources import LocalSource
-    from app.generate import local_adapters  # here: the registry actor itself need not import torch
+    from adapters_store.sources import LocalSource, local_adapters  # here: the registry actor need not import torch
 
     found: dict[str, str] = {}
     for d in dirs:

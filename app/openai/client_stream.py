@@ -39,8 +39,8 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.metrics import Counter
 
 from app.errors import LoraplexError, OverloadedError
-from app.http_errors import error_body, error_response
-from app.openai_responses import Formatter, Output, best, sse
+from app.openai.http_errors import error_body, error_response
+from app.openai.responses import Formatter, Output, best, sse
 from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, TokenChunk, is_final
 from cluster.router import on_replicas_leaving
 
@@ -254,7 +254,7 @@ def _failure(chunk) -> tuple[str, int] | None:
 async def sse_events(fmt: Formatter, stream, include_usage: bool) -> AsyncIterator[bytes]:
     """SSE events ending with `data: [DONE]` (one event per item, however many tokens it carries;
     a request's fmt.n choices interleaved, the usage chunk after the last one ends); a failure
-    mid-stream becomes an error event first. stream: a ResubmittingStream or app.choice_streams.Choices."""
+    mid-stream becomes an error event first. stream: a ResubmittingStream or app.openai.choice_streams.Choices."""
     try:
         for opening in fmt.first_chunks():
             yield sse(opening, fmt.encode)

@@ -22,20 +22,27 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from ray import serve
 from transformers import AutoConfig
 
-from app import http_errors
-from app.admin import AdapterAdmin, LoadLoraAdapter, RegisterAdapter, UnloadLoraAdapter
-from app.auth import Auth, Caller, is_loopback, serve_bind_host
-from app.choice_streams import Choices
-from app.client_stream import MigrationPolicy, ResubmittingStream, collect, replica_submit, sse_events, with_fixed_seed
-from app.config import Settings
 from app.engine.factory import load_tokenizer
 from app.errors import AdapterNotFoundError, InvalidRequestError
 from app.model.source import resolve_model
-from app.openai_requests import ChatCompletionRequest, CompletionRequest
-from app.openai_responses import Formatter
+from app.openai import http_errors
+from app.openai.admin import AdapterAdmin, LoadLoraAdapter, RegisterAdapter, UnloadLoraAdapter
+from app.openai.auth import Auth, Caller, is_loopback, serve_bind_host
+from app.openai.choice_streams import Choices
+from app.openai.client_stream import (
+    MigrationPolicy,
+    ResubmittingStream,
+    collect,
+    replica_submit,
+    sse_events,
+    with_fixed_seed,
+)
+from app.openai.requests import ChatCompletionRequest, CompletionRequest
+from app.openai.responses import Formatter
+from app.openai.tool_calls.choice import ToolPlan, ToolSupport
 from app.protocol import GenerateRequest
-from app.registry import AdapterSpec
-from app.tool_calls.choice import ToolPlan, ToolSupport
+from app.serving.config import Settings
+from app.serving.registry import AdapterSpec
 
 api = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
 http_errors.install(api)

@@ -1,5 +1,5 @@
 """OpenAI request bodies (what the official client sends), validated strictly: completions
-and chat, on the fields both share (app/openai_sampling.py). Features the engine does not
+and chat, on the fields both share (app/openai/sampling.py). Features the engine does not
 implement (echo, suffix, functions, …) are rejected by name rather than silently ignored.
 """
 
@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from app.openai_sampling import SamplingFields, StrictBody
+from app.openai.sampling import SamplingFields, StrictBody
 
 
 class CompletionRequest(SamplingFields):

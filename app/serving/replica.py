@@ -21,10 +21,10 @@ from ray import serve
 from adapters_store.store import AdapterStore, StoreConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
-from app.engine_metrics import EngineMetrics
 from app.errors import AdapterNotFoundError, LoraplexError
 from app.protocol import Accepted, Chunk, GenerateRequest, Migrate
-from app.registry import AdapterSpec
+from app.serving.engine_metrics import EngineMetrics
+from app.serving.registry import AdapterSpec
 from cluster.stats import ARRIVALS_WINDOW_S, ReplicaStats, arrival_key
 
 log = logging.getLogger("ray.serve")
@@ -70,7 +70,7 @@ class LoraReplica:
         self.held = 0  # generate() calls in progress
         self.arrivals: deque[tuple[float, str]] = deque()  # (wall time, arrival_key), the last ARRIVALS_WINDOW_S
         self.departures: deque[tuple[float, str]] = deque()  # likewise, of the requests that left
-        self.metrics = EngineMetrics(self.engine).start()  # the engine's Prometheus series (app/engine_metrics.py)
+        self.metrics = EngineMetrics(self.engine).start()  # the engine's Prometheus series (engine_metrics.py)
         # when it came up, as Serve orders replicas for a scale-down (newest first)
         self.started_at = time.time()
 

@@ -15,8 +15,8 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
-from app.config import ApiKey, ConfigError
 from app.errors import AuthenticationError, PermissionDeniedError
+from app.serving.config import ApiKey, ConfigError
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import string
 import uuid
 from dataclasses import dataclass, field
 
-from app.tool_calls.scan import CallScanner
+from app.openai.tool_calls.scan import CallScanner
 
 _SPACE = " \t\r\n"
 _ALNUM = string.ascii_letters + string.digits

@@ -17,9 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from adapters_store.errors import AdapterUriError
 from adapters_store.paths import parse_uri
 from adapters_store.store import StoreConfig
-from app.adapter_args import AdapterCacheArgs, store_config
 from app.engine.config import EngineConfig
 from app.engine.tp.placement import tensor_parallel_options
+from app.serving.adapter_args import AdapterCacheArgs, store_config
 from cluster.autoscaling import ray_autoscaling_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -106,7 +106,7 @@ class AppArgs(_Strict):
         None, min_length=1
     )  # local file or s3://bucket/key: runtime registrations persist
     adapter_source: str | None = Field(None, min_length=1)  # s3://bucket/prefix/ or a directory: names load on demand
-    adapter_cache: AdapterCacheArgs = AdapterCacheArgs()  # host / disk tiers' budgets (app/adapter_args.py)
+    adapter_cache: AdapterCacheArgs = AdapterCacheArgs()  # host / disk tiers' budgets (app/serving/adapter_args.py)
     # how the model writes tool calls (vLLM's --tool-call-parser); auto: from its chat template, else its family
     tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
 

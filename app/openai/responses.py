@@ -1,6 +1,6 @@
 """OpenAI response bodies built from engine chunks: whole responses and SSE chunks,
 for `/v1/completions` (`text_completion`) and `/v1/chat/completions` (with `tool_calls` when
-the request's tools were called: app/tool_calls/). A request of n choices answers with n
+the request's tools were called: app/openai/tool_calls/). A request of n choices answers with n
 choices, each with its `index`; its stream interleaves them, each chunk carrying one choice
 (docs/n_choices.md), and each choice's tool calls are parsed on their own."""
 
@@ -85,7 +85,7 @@ def _tool_calls(calls) -> list[dict]:
 
 class Formatter:
     """Shapes one request's responses; `chat` selects the chat.completion flavour; `tools` (one
-    app.tool_calls OutputParser per choice) turn each answer's tool-call text into `tool_calls`."""
+    app.openai.tool_calls OutputParser per choice) turn each answer's tool-call text into `tool_calls`."""
 
     def __init__(
         self,
