@@ -86,8 +86,7 @@ class HostCache:
         self._on_evict = on_evict
         self._lock = threading.Lock()
         self._entries: OrderedDict[AdapterKey, LoraWeights] = OrderedDict()  # LRU, oldest first
-        self._cost: dict[AdapterKey, int] = {}  # held_bytes of each entry, as charged
-        self.nbytes = 0  # host bytes held by the entries: pinned blocks counted at their real size
+        self.nbytes = 0  # host bytes held by the entries (held_bytes): pinned blocks at their real size
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -124,11 +123,10 @@ class HostCache:
             if key in self._entries:  # a racing load of the same version: keep the first
                 return self._entries[key]
             self._entries[key] = weights
-            self._cost[key] = cost
             self.nbytes += cost
             while self.nbytes > self.config.budget_bytes:
-                old_key, _ = self._entries.popitem(last=False)
-                self.nbytes -= self._cost.pop(old_key)
+                old_key, old = self._entries.popitem(last=False)
+                self.nbytes -= held_bytes(old)
                 evicted.append(old_key)
         for old_key in evicted:
             self._on_evict(old_key)
@@ -138,5 +136,4 @@ class HostCache:
         """Forget every version of an adapter (it was unregistered)."""
         with self._lock:
             for key in [k for k in self._entries if k[0] == name]:
-                del self._entries[key]
-                self.nbytes -= self._cost.pop(key)
+                self.nbytes -= held_bytes(self._entries.pop(key))
