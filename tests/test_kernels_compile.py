@@ -127,23 +127,26 @@ def test_rank_groups_only_for_few_items_and_kernels_ci_compiles():
 
 
 def _engine_op_reports(arch):
-    from ops import paged_decode, small_ops
+    from ops import paged_decode, sampling, small_ops
 
     jobs = [("attention.cu", n) for n in paged_decode.all_kernel_names(arch)]
     jobs += [("small_ops.cu", n) for n in small_ops.all_kernel_names()]
+    jobs += [("sampling.cu", sampling.KERNEL)]
     return [(src, name, nvrtc.resource_report(src, name, arch)) for src, name in jobs]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_attention_and_small_op_kernels_compile_without_spills(arch):
     """The paged decode attention kernels (fp16/bf16 x head dims 64, 96, 128, 256; the group
-    size 1..8 is an argument) and the fused small ops, every instantiation the wrappers launch,
+    size 1..8 is an argument), the fused small ops and the sampling kernel, every instantiation the wrappers launch,
     for sm_80 and sm_90: no spills, and the decode kernel's shared memory within the arch's
     per-block limit."""
     from ops import paged_decode, small_ops
 
     reports = _isolated(_engine_op_reports, arch)
-    assert len(reports) == len(paged_decode.all_kernel_names(arch)) + len(small_ops.all_kernel_names()) == 8 + 12
+    assert (
+        len(reports) == len(paged_decode.all_kernel_names(arch)) + len(small_ops.all_kernel_names()) + 1 == 8 + 12 + 1
+    )
     assert {d for d in paged_decode.HEAD_DIMS} == {64, 96, 128, 256}  # Phi-3's 96 and Gemma's 256 among them
     assert any("gelu_tanh_mul_kernel" in name for _, name, _ in reports)  # Gemma's GeGLU
     for src, name, log in reports:

@@ -17,7 +17,10 @@ the host reads only its results, app/engine/step_output.py). Per row, from its p
    whose cumulative exp(s) (float64) exceeds u · total, u the row's counter-based uniform for
    (seed, absolute position). A token of zero mass is never drawn (the cumulative sum does not rise
    there). Keeping everything ≥ a threshold keeps ties at the cut-off together, so no rank order of
-   equal values (which a sort or top-k may give in any order) decides a token.
+   equal values (which a sort or top-k may give in any order) decides a token. On CUDA one kernel
+   draws every sampled row (ops/sampling.py: the floors by bisecting the float keys, no sort; one
+   launch instead of ~20 and a sort of the vocabulary); these torch ops are its reference and the
+   CPU path, and the two agree token for token up to float64 rounding of the sums.
 
 Every value the API accepts is safe: 1/T is clamped to float32's normal range (a temperature as small
 as 5e-324 leaves only the best token(s) at 0 and the rest at −inf: greedy by arithmetic, never
@@ -38,6 +41,7 @@ import torch
 from app.engine.penalties import penalize
 from app.engine.sampling_params import StepSampling
 from app.engine.sequence import Sequence
+from ops import sampling
 
 
 class SampleError(Exception):
@@ -64,7 +68,9 @@ def draw(logits: torch.Tensor, sp: StepSampling) -> Drawn:
     """logits: [n, vocab] fp32, row i sampled by sp's row i (logits are not modified)."""
     z = adjusted(logits, sp)
     tokens = z.argmax(dim=-1)
-    if sp.sampled:
+    if sp.sampled and sampling.usable(z):  # one kernel, no sort: the same draw up to float64 rounding
+        sampling.sample_rows(z, sp.greedy, sp.inv_temperature, sp.k, sp.p, sp.u, tokens)
+    elif sp.sampled:
         tokens = torch.where(sp.greedy, tokens, _random(z, sp))
     out = Drawn(tokens, torch.isfinite(logits).all(dim=-1))
     if sp.logprob_rows:
