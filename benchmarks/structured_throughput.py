@@ -124,10 +124,30 @@ class MaskTimer:
         return out
 
 
-def run(engine, variant: str, prompts, guides, lengths, max_new: int, timer: MaskTimer) -> dict:
+class Timed:
+    """Host seconds spent in a method (patched on its class), summed: where a step's host time goes.
+    StepOutput.sample is the host's wait for the step's tokens (the GPU still working); the
+    grammar's advance and the mask fill are host work the GPU may wait for."""
+
+    def __init__(self, cls, name: str):
+        self.seconds, fn = 0.0, getattr(cls, name)
+
+        def timed(*args, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        setattr(cls, name, timed)
+
+
+def run(engine, variant: str, prompts, guides, lengths, max_new: int, timer: MaskTimer, spans: dict) -> dict:
     from app.protocol import GenerateRequest, SamplingParams
 
     timer.seconds.clear()
+    for span in spans.values():
+        span.seconds = 0.0
     ahead = engine.runner.steps_taken_ahead
     for i, prompt in enumerate(prompts):
         constrained = variant == "constrained" or (variant == "mix25" and i % 4 == 0)
@@ -158,7 +178,10 @@ def run(engine, variant: str, prompts, guides, lengths, max_new: int, timer: Mas
         "steps": engine.steps - steps,
         "steps_launched_ahead": engine.runner.steps_taken_ahead - ahead,
         "mask_fill_ms_p50": 1e3 * float(np.median(timer.seconds)) if timer.seconds else None,
+        "step_ms": 1e3 * wall / max(1, engine.steps - steps),
     }
+    out.update({f"{name}_ms_per_step": 1e3 * span.seconds / max(1, out["steps"]) for name, span in spans.items()})
+    out["mask_fill_ms_per_step"] = 1e3 * sum(timer.seconds) / max(1, out["steps"])
     if variant == "constrained":
         out["lengths"] = [counts[f"constrained{i}"] for i in range(len(prompts))]
         out["finished_by_grammar"] = sum(reasons[f"constrained{i}"] == "stop" for i in range(len(prompts)))
@@ -241,15 +264,23 @@ def main():
         rows=[],
     )
     timer = MaskTimer()
+    from app.engine.core import EngineCore
+    from app.engine.grammar import GrammarState
+    from app.engine.step_output import StepOutput
+
+    spans = {"step": Timed(EngineCore, "step"), "wait": Timed(StepOutput, "sample")}
+    spans["advance"] = Timed(GrammarState, "advance")
     for batch in map(int, args.batches.split(",")):
         engine = build(shape, batch, device, dtype, tokenizer)
         if "compile" not in data:
             data["compile"] = compile_times(engine, guides)
             print("compile", data["compile"], flush=True)
-        run(engine, "warmup", prompts, guides, [16] * len(prompts), args.max_new, timer)  # untimed: first-use costs
+        run(
+            engine, "warmup", prompts, guides, [16] * len(prompts), args.max_new, timer, spans
+        )  # untimed: first-use costs
         lengths = None
         for variant in VARIANTS:
-            row = run(engine, variant, prompts, guides, lengths, args.max_new, timer)
+            row = run(engine, variant, prompts, guides, lengths, args.max_new, timer, spans)
             lengths = lengths or row.pop("lengths")
             data["rows"].append({"max_batch": batch, **row})
             print({k: v for k, v in data["rows"][-1].items()}, flush=True)
@@ -267,13 +298,15 @@ def main():
     )
     print(
         f"{'batch':>5s} {'variant':20s} {'tok/s':>8s} {'ratio':>6s} {'target':>6s} {'steps':>6s} {'ahead':>6s} {'mask ms':>8s}"
+        "   per step (ms): wall  step() wait advance masks"
     )
     for r in data["rows"]:
         mask = f"{r['mask_fill_ms_p50']:8.2f}" if r["mask_fill_ms_p50"] is not None else f"{'-':>8s}"
         target = f"{TARGETS[r['variant']]:6.2f}" if r["variant"] in TARGETS and r["max_batch"] == 32 else f"{'':6s}"
         print(
             f"{r['max_batch']:5d} {r['variant']:20s} {r['tok_s']:8.0f} {r['ratio']:6.2f} {target} {r['steps']:6d} "
-            f"{r['steps_launched_ahead']:6d} {mask}"
+            f"{r['steps_launched_ahead']:6d} {mask}   {r['step_ms']:5.2f} {r['step_ms_per_step']:5.2f} "
+            f"{r['wait_ms_per_step']:5.2f} {r['advance_ms_per_step']:5.2f} {r['mask_fill_ms_per_step']:5.2f}"
         )
 
 
