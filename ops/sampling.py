@@ -65,3 +65,13 @@ def sample_rows(
 
     index = z.device.index if z.device.index is not None else torch.cuda.current_device()
     launch.launch(nvrtc.load_function("sampling.cu", KERNEL, index), n, 1024, args, z.device)
+
+
+def warm_up(device) -> None:
+    """Compile and load the kernel now: a first-use compile would stall a step mid-serving."""
+    from . import nvrtc
+
+    device = torch.device(device)
+    nvrtc.load_function(
+        "sampling.cu", KERNEL, device.index if device.index is not None else torch.cuda.current_device()
+    )
