@@ -55,11 +55,44 @@ __device__ T block_reduce(T v, Op op, T* part) {
 }
 
 struct Row {
-  const float* z;
+  const float* __restrict__ z;
   float max, inv_t;
   int vocab;
-  __device__ float s(int j) const { return (z[j] - max) * inv_t; }
+  __device__ float s(float zj) const { return (zj - max) * inv_t; }
 };
+
+// f(s_j) for the thread's elements j = threadIdx.x + i·kThreads in increasing i (a fixed order).
+// kLoads loads are issued before any is used: a pass over an L2-resident row is bound by load
+// latency, not bandwidth, so loads in flight set its speed.
+constexpr int kLoads = 8;
+
+template <class F>
+__device__ __forceinline__ void each_strided(const Row& row, F f) {
+  for (int j0 = threadIdx.x; j0 < row.vocab; j0 += kLoads * kThreads) {
+    float z[kLoads];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int j = j0 + i * kThreads;
+      z[i] = j < row.vocab ? row.z[j] : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i)
+      if (j0 + i * kThreads < row.vocab) f(row.s(z[i]));
+  }
+}
+
+// f(j, s_j) for j in [lo, hi) in order, loads issued kLoads at a time.
+template <class F>
+__device__ __forceinline__ void each_contiguous(const Row& row, int lo, int hi, F f) {
+  for (int j0 = lo; j0 < hi; j0 += kLoads) {
+    float z[kLoads];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) z[i] = j0 + i < hi ? row.z[j0 + i] : 0.f;
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i)
+      if (j0 + i < hi) f(j0 + i, row.s(z[i]));
+  }
+}
 
 // The largest key K with count(key ≥ K) ≥ k: the key of the k-th largest s.
 __device__ unsigned kth_key(const Row& row, long long k, long long* part) {
@@ -67,7 +100,7 @@ __device__ unsigned kth_key(const Row& row, long long k, long long* part) {
   for (int bit = 31; bit >= 0; --bit) {
     const unsigned cand = K | (1u << bit);
     long long n = 0;
-    for (int j = threadIdx.x; j < row.vocab; j += kThreads) n += key_of(row.s(j)) >= cand;
+    each_strided(row, [&](float s) { n += key_of(s) >= cand; });
     if (block_reduce(n, Add(), part) >= k) K = cand;
   }
   return K;
@@ -76,10 +109,9 @@ __device__ unsigned kth_key(const Row& row, long long k, long long* part) {
 // Σ exp(s) over the s ≥ floor whose key is ≥ cand, in every thread.
 __device__ double mass_from(const Row& row, float floor, unsigned cand, double* part) {
   double m = 0.0;
-  for (int j = threadIdx.x; j < row.vocab; j += kThreads) {
-    const float s = row.s(j);
+  each_strided(row, [&](float s) {
     if (!(s < floor) && key_of(s) >= cand) m += static_cast<double>(expf(s));
-  }
+  });
   return block_reduce(m, Add(), part);
 }
 
@@ -102,10 +134,9 @@ __device__ void draw(const Row& row, float floor, double u, long long* token, do
   const int chunk = (row.vocab + kThreads - 1) / kThreads;
   const int lo = min(row.vocab, threadIdx.x * chunk), hi = min(row.vocab, lo + chunk);
   double c = 0.0;
-  for (int j = lo; j < hi; ++j) {
-    const float s = row.s(j);
+  each_contiguous(row, lo, hi, [&](int, float s) {
     if (!(s < floor)) c += static_cast<double>(expf(s));
-  }
+  });
   double* start = scan;            // [kThreads] each chunk's start within its warp, then overall
   double* warp_start = scan + kThreads;  // [kWarps + 1], the last: the total
   __syncthreads();
@@ -138,15 +169,14 @@ __device__ void draw(const Row& row, float floor, double u, long long* token, do
   if (!(e <= x && x < e_next)) return;
   double acc = e;
   int last = lo;
-  for (int j = lo; j < hi; ++j) {
-    const float s = row.s(j);
+  bool found = false;
+  each_contiguous(row, lo, hi, [&](int j, float s) {
     const double w = !(s < floor) ? static_cast<double>(expf(s)) : 0.0;
-    if (w > 0.0) {
-      last = j;
-      acc += w;
-      if (acc > x) break;
-    }
-  }
+    if (found || !(w > 0.0)) return;
+    last = j;
+    acc += w;
+    found = acc > x;
+  });
   *token = last;  // the first whose cumulative mass exceeds x (the last of mass if rounding says none)
 }
 
@@ -157,10 +187,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const 
   __shared__ long long npart[kWarps];
   const int r = blockIdx.x;
   if (a.greedy[r]) return;
-  Row row{a.z + r * a.z_stride, 0.f, a.inv_t[r], a.vocab};
+  Row row{a.z + r * a.z_stride, 0.f, 1.f, a.vocab};
   float m = __int_as_float(0xff800000);
-  for (int j = threadIdx.x; j < a.vocab; j += kThreads) m = fmaxf(m, row.z[j]);
+  each_strided(row, [&](float z) { m = fmaxf(m, z); });  // max 0 and inv_t 1 here: s(z) = z
   row.max = block_reduce(m, Max(), fpart);
+  row.inv_t = a.inv_t[r];
   float floor = __int_as_float(0xff800000);
   if (a.k[r] > 0) floor = value_of(kth_key(row, a.k[r], npart));
   if (a.p[r] < 1.0) floor = fmaxf(floor, value_of(top_p_key(row, floor, a.p[r], dpart)));

@@ -33,10 +33,10 @@ def _step(rng, n, vocab, device="cuda") -> StepSampling:
 
 
 def _logits(rng, n, vocab):
-    z = rng.standard_normal((n, vocab)).astype(np.float32) * rng.choice([0.5, 2.0, 8.0])
+    z = rng.standard_normal((n, vocab)) * rng.choice([0.5, 2.0, 8.0])
     ties = rng.random(n) < 0.3
     z[ties] = np.round(z[ties] * 2) / 2  # many equal values at every cut-off
-    return torch.from_numpy(z).cuda()
+    return torch.from_numpy(z.astype(np.float32)).cuda()
 
 
 def _torch_draw(z, sp):
