@@ -174,3 +174,14 @@ def load_function(
         return func
     finally:
         _drv(driver.cuCtxPopCurrent(), "pop context")
+
+
+def allow_dynamic_smem(func: driver.CUfunction, device: int, smem: int, what: str) -> None:
+    """Let `func` take `smem` bytes of dynamic shared memory per block (over 48 KB needs this opt-in)."""
+    ctx = _drv(driver.cuDevicePrimaryCtxRetain(_drv(driver.cuDeviceGet(device), "device")), "context")
+    _drv(driver.cuCtxPushCurrent(ctx), "push context")
+    try:
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _drv(driver.cuFuncSetAttribute(func, attr, smem), f"{what}: {smem} bytes of shared memory")
+    finally:
+        _drv(driver.cuCtxPopCurrent(), "pop context")

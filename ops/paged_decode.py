@@ -120,20 +120,10 @@ def _counters(index: int) -> torch.Tensor:
 @functools.cache
 def _function(name: str, index: int, arch: int, smem: int):
     """The kernel, allowed `smem` bytes of dynamic shared memory (over 48 KB needs the opt-in)."""
-    from cuda.bindings import driver
-
     from . import nvrtc  # not at import: CPU-only processes never load NVRTC
 
     func = nvrtc.load_function("attention.cu", name, index, arch=arch)
-    ctx = nvrtc._drv(driver.cuDevicePrimaryCtxRetain(nvrtc._drv(driver.cuDeviceGet(index), "device")), "context")
-    nvrtc._drv(driver.cuCtxPushCurrent(ctx), "push context")
-    try:
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        (err,) = driver.cuFuncSetAttribute(func, attr, smem)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"{name}: {smem} bytes of shared memory: {driver.cuGetErrorString(err)[1].decode()}")
-    finally:
-        nvrtc._drv(driver.cuCtxPopCurrent(), "pop context")
+    nvrtc.allow_dynamic_smem(func, index, smem, name)
     return func
 
 
