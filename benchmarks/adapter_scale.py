@@ -9,8 +9,10 @@ Adapters enter through the product's own path: an AdapterStore with an on-demand
 (``adapter_source``), so every name is resolved on first use, single-flight, its content
 version asked of the source on each cold load, its safetensors parsed and validated (shapes,
 finite values, rank) and packed into the pinned host LRU (``adapter_cache.host_gb``,
-``adapter_cache.workers``) exactly as in serving. Only the bytes come from a stand-in
-(``SlabSource``, plugged in by overriding ``AdapterStore._source``): 10,000 × 80 MB (800 GB)
+``adapter_cache.workers``) exactly as in serving (adapters_store/fast_load.py: a handful
+of ops per load, the file read into a reused buffer, evicted host buffers reused). Only the
+bytes come from a stand-in (``SlabSource``, plugged in by overriding ``AdapterStore._source``,
+its ``read_into`` a memcpy that releases the GIL): 10,000 × 80 MB (800 GB)
 fit on no disk or host here, so adapter i's safetensors file is a header plus an 80 MB slice
 of one random fp16 slab (--slab-gb) at an offset of its own, its first 16 values stamped from
 the sha256 of its name, so no two adapters hold the same content. Making one is a memcpy.
@@ -248,6 +250,8 @@ def main():
         "demand": need,
         **rates(store, cfg.shape, slab, a.workers, a.probe),
         "host_load_ms_mean": round(mean_load_s * 1e3, 1),  # one cold load (source to pinned host) while replaying
+        # loads that left the fast path (fast_load.py) for the library's, and host buffers reused
+        "cold_load": {"library_path": store.fast.fallbacks, "buffers_reused": store.host.spares.reused},
         "host_tiers": store.tiers(pool),
         "all_resident": base,
         "on_demand": scale,
@@ -283,6 +287,8 @@ def smoke_checks(store: StandInStore, requests, base: dict, scale: dict) -> None
     assert not base["truncated"] and not scale["truncated"], "a replay was cut"
     assert base["finished"] == scale["finished"] == len(requests)
     assert store.tiers()["host"]["eviction"] > 0, "the host LRU never evicted: the smoke budget is too large"
+    assert store.fast.fallbacks == 0, "a stand-in adapter left the fast path"
+    assert store.host.spares.reused > 0, "no evicted host buffer was reused"
     one, two = (f"a{k}" for k in sorted({r[1] for r in requests})[:2])
     w1, w2 = store.get(one), store.get(two)
     assert w1.version == store.version(one) == SlabSource(store.slab, one).snapshot().version != w2.version
