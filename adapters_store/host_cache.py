@@ -80,8 +80,10 @@ def held_bytes(weights: LoraWeights) -> int:
 
 
 def _holders(buf: torch.Tensor) -> int:
-    """Tensors sharing buf's storage, buf included (every view holds a reference to it)."""
-    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) - 1  # less untyped_storage()'s own
+    """Tensors sharing buf's storage, buf included (every view holds a reference to it); a torch
+    without the count says "held" (no reuse, never a buffer refilled under a reader)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count(buf.untyped_storage()._cdata) - 1 if count else 1 << 30  # less untyped_storage()'s own
 
 
 class Spares:
