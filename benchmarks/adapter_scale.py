@@ -46,7 +46,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from adapters_store.gpu_pool import LoraPool, PoolConfig  # noqa: E402
-from adapters_store.host_cache import HostCacheConfig  # noqa: E402
+from adapters_store.host_cache import HostCacheConfig, pinned_bytes  # noqa: E402
+from adapters_store.sources import Staging  # noqa: E402
 from adapters_store.store import StoreConfig  # noqa: E402
 from app.engine.config import EngineConfig  # noqa: E402
 from app.engine.core import EngineCore  # noqa: E402
@@ -165,16 +166,19 @@ def rates(store: StandInStore, shape, slab: Slab, workers: int, n: int) -> dict:
     """Sustained rates, measured after the replays on names no replay used: the stand-in alone
     (``workers`` threads building adapter files), then the product's cold load through a fresh
     store (source + parse + validation + pinned pack), both over n adapters."""
-    names = [f"probe{k}" for k in range(n)]
+    names, staging = [f"probe{k}" for k in range(n)], Staging()
+    read = lambda name: SlabSource(slab, name, store.gbps).read_into(None, staging.get)[0].nbytes  # noqa: E731
     start = time.perf_counter()
-    with ThreadPoolExecutor(workers) as pool:
-        nbytes = sum(pool.map(lambda name: len(SlabSource(slab, name, store.gbps).read_weights(None)[0]), names))
+    with ThreadPoolExecutor(workers) as pool:  # as the store reads: into each thread's reused buffer
+        nbytes = sum(pool.map(read, names))
     source_s = time.perf_counter() - start
-    host = replace(store.config.host, budget_bytes=2 * nbytes)
+    # the trace's steady state: room for half the probes, the later half each evicting one (whose buffer it reuses)
+    host = replace(store.config.host, budget_bytes=max(1, n // 2) * pinned_bytes(nbytes // n))
     probe = StandInStore(shape, replace(store.config, host=host), slab, store.gbps)
     start = time.perf_counter()
-    for fut in [probe.prefetch(name) for name in names]:
-        fut.result()
+    futures = [probe.prefetch(name) for name in names]
+    while futures:  # dropped once done, so that nothing holds an evicted adapter's buffer
+        futures.pop(0).result()
     host_s = time.perf_counter() - start
     probe.close()
     return {
