@@ -83,6 +83,7 @@ class LoraPool:
         # otherwise lengthen the engine step that admits its request
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="lora-h2d") if cuda else None
         self._pending: dict[int, tuple[Future, float, int]] = {}  # slot -> (copy, start time, bytes)
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
 
     def acquire(self, weights: LoraWeights) -> int | None:
         """Pin the adapter in a slot (loading it if needed); None if every slot is pinned."""
@@ -163,7 +164,7 @@ class LoraPool:
         self._pending[slot] = (self._copier.submit(self._copy, slot, weights, slot_free), start, weights.nbytes)
 
     def _copy(self, slot: int, weights: LoraWeights, slot_free: torch.cuda.Event):
-        """On the copier thread: (done event, staging buffer to keep alive until done)."""
+        """On the copier thread: (done event, the buffers to keep alive until done)."""
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(slot_free)
             staging = weights.buffer.to(self.config.device, non_blocking=True)  # the one host→device copy
@@ -176,14 +177,28 @@ class LoraPool:
             )
             done = torch.cuda.Event()
             done.record(self._copy_stream)
-        return done, staging
+        # the host buffer too: held until ready() sees the copy done, a reused buffer (host_cache.Spares)
+        # is never refilled while the DMA still reads it
+        return done, staging, weights.buffer
+
+    def _index(self, layers: tuple[int, ...]) -> torch.Tensor:
+        """The layer numbers on the device, made once per layout (a few per deployment)."""
+        index = self._indices.get(layers)
+        if index is None:
+            index = self._indices[layers] = torch.tensor(layers, dtype=torch.long, device=self.config.device)
+        return index
 
     def fill(self, slot: int, stacks: dict[str, ModuleStack], r: int, scale: float) -> None:
         """Rows beyond the rank and modules the adapter lacks are left as they are: the
         kernels read A/B only up to the slot's rank, and segments skip untargeted modules."""
         for m, st in stacks.items():
-            layers = slice(None) if len(st.layers) == self.A[m].shape[0] else list(st.layers)
-            self.A[m][layers, slot, :r] = st.A  # [L, r, in]
-            self.B[m][layers, slot, :r] = st.Bt  # [L, r, out]
+            a, b = self.A[m][:, slot, :r], self.B[m][:, slot, :r]  # [L, r, in], [L, r, out]
+            if st.layers == tuple(range(a.shape[0])):
+                a.copy_(st.A)
+                b.copy_(st.Bt)  # a transposing copy when Bt is B's own layout read by strides
+            else:  # some layers, or in the file's order (a fast-loaded PEFT file: 0, 1, 10, 11, ...)
+                index = self._index(st.layers)
+                a.index_copy_(0, index, st.A.to(a.dtype))
+                b.index_copy_(0, index, st.Bt.to(b.dtype))
         self.ranks[slot].fill_(r)
         self.scales[slot].fill_(scale)

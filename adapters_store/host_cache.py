@@ -79,9 +79,49 @@ def held_bytes(weights: LoraWeights) -> int:
     return weights.nbytes
 
 
+def _holders(buf: torch.Tensor) -> int:
+    """Tensors sharing buf's storage, buf included (every view holds a reference to it); a torch
+    without the count says "held" (no reuse, never a buffer refilled under a reader)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count(buf.untyped_storage()._cdata) - 1 if count else 1 << 30  # less untyped_storage()'s own
+
+
+class Spares:
+    """Buffers of adapters the cache let go, handed to the next cold load of the same size once
+    nothing else holds them: no request still using the adapter, no host→GPU copy in flight (the
+    GPU pool keeps the buffer until its copy's event has completed). Reuse spares each cold load
+    a fresh 80 MB allocation: a pinned one goes through torch's host allocator (its lock, and
+    cudaHostAlloc until its free lists are warm), an unpinned one page-faults all its pages again.
+    At most ``keep`` are kept (oldest dropped): memory beyond the budget by that much at most."""
+
+    def __init__(self, keep: int):
+        self.keep, self.reused = keep, 0
+        self._lock = threading.Lock()
+        self._bufs: list[torch.Tensor] = []
+
+    def give(self, buf: torch.Tensor | None) -> None:
+        if buf is None or buf.storage_offset() or buf.untyped_storage().nbytes() != buf.nbytes:
+            return  # not a whole buffer of its own (a view into something else): never reused
+        with self._lock:
+            self._bufs.append(buf)
+            del self._bufs[: -self.keep or len(self._bufs)]
+
+    def take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor | None:
+        with self._lock:
+            for i, buf in enumerate(self._bufs):
+                if buf.numel() == numel and buf.dtype == dtype and buf.is_pinned() == pin and _holders(buf) == 1:
+                    self.reused += 1
+                    return self._bufs.pop(i)
+        return None
+
+
 class HostCache:
-    def __init__(self, config: HostCacheConfig, on_evict: Callable[[AdapterKey], None] = lambda key: None):
+    def __init__(
+        self, config: HostCacheConfig, on_evict: Callable[[AdapterKey], None] = lambda key: None, spares: int = 8
+    ):
+        """spares: evicted buffers kept for reuse (about the loads in flight: see Spares)."""
         self.config = config
+        self.spares = Spares(spares)
         self.pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
         self._on_evict = on_evict
         self._lock = threading.Lock()
@@ -94,6 +134,14 @@ class HostCache:
     def keys(self) -> list[AdapterKey]:
         with self._lock:
             return list(self._entries)
+
+    def alloc(self, numel: int) -> torch.Tensor:
+        """A host buffer for one adapter in the serving dtype (pinned where configured). torch's pinned
+        allocator keeps freed blocks by size and hands them to the next request of that size once
+        the copies recorded on them are done: after warm-up an evicted adapter's block is reused
+        without a new cudaHostAlloc; a spare (an evicted adapter's buffer nothing holds) skips even that."""
+        spare = self.spares.take(numel, self.config.dtype, self.pin)
+        return spare if spare is not None else torch.empty(numel, dtype=self.config.dtype, pin_memory=self.pin)
 
     def get(self, key: AdapterKey) -> LoraWeights | None:
         with self._lock:
@@ -111,8 +159,8 @@ class HostCache:
             and (not self.pin or weights.buffer.is_pinned())
         )
         # parsed tensors keep the file's dtype (fp16 of an fp16 file): the cache holds the serving dtype
-        foreign = any(t.dtype != self.config.dtype for pair in weights.tensors.values() for t in pair)
-        if (self.pin or self.config.dtype != torch.float32 or foreign) and not packed:
+        foreign = lambda: any(t.dtype != self.config.dtype for pair in weights.tensors.values() for t in pair)  # noqa: E731
+        if not packed and (self.pin or self.config.dtype != torch.float32 or foreign()):
             weights = pack(weights, pin=self.pin, dtype=self.config.dtype)
         cost = held_bytes(weights)
         if cost > self.config.budget_bytes:
@@ -121,19 +169,25 @@ class HostCache:
         evicted = []
         with self._lock:
             if key in self._entries:  # a racing load of the same version: keep the first
-                return self._entries[key]
-            self._entries[key] = weights
-            self.nbytes += cost
-            while self.nbytes > self.config.budget_bytes:
-                old_key, old = self._entries.popitem(last=False)
-                self.nbytes -= held_bytes(old)
-                evicted.append(old_key)
-        for old_key in evicted:
+                kept = self._entries[key]
+            else:
+                kept = self._entries[key] = weights
+                self.nbytes += cost
+                while self.nbytes > self.config.budget_bytes:
+                    old_key, old = self._entries.popitem(last=False)
+                    self.nbytes -= held_bytes(old)
+                    evicted.append((old_key, old.buffer))
+        if kept is not weights:
+            self.spares.give(weights.buffer)
+        for old_key, buf in evicted:
+            self.spares.give(buf)
             self._on_evict(old_key)
-        return weights
+        return kept
 
     def drop_name(self, name: str) -> None:
         """Forget every version of an adapter (it was unregistered)."""
         with self._lock:
-            for key in [k for k in self._entries if k[0] == name]:
-                self.nbytes -= held_bytes(self._entries.pop(key))
+            dropped = [self._entries.pop(key) for key in [k for k in self._entries if k[0] == name]]
+            self.nbytes -= sum(held_bytes(w) for w in dropped)
+        for weights in dropped:
+            self.spares.give(weights.buffer)

@@ -56,6 +56,8 @@ class LoraWeights:
 
     @property
     def nbytes(self) -> int:
+        if self.stacks is not None:  # the same sum, without a view per matrix
+            return sum(st.A.nbytes + st.Bt.nbytes for st in self.stacks.values())
         return sum(a.nbytes + b.nbytes for a, b in self.tensors.values())
 
 

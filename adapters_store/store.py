@@ -36,15 +36,16 @@ from adapters_store.errors import (
     SourceChangedError,
     UnknownAdapterError,
 )
+from adapters_store.fast_load import FastLoader
 from adapters_store.gpu_pool import adapter_bytes
 from adapters_store.host_cache import HostCache, HostCacheConfig, pinned_bytes
 from adapters_store.manifest import parse_manifest
 from adapters_store.metrics import StoreMetrics
 from adapters_store.paths import NAME, S3Uri, check_name, parse_uri
-from adapters_store.peft_weights import LoraWeights, ModelShape, parse_weights
+from adapters_store.peft_weights import LoraWeights, ModelShape
 from adapters_store.s3_source import S3Config, S3Source, make_client
 from adapters_store.single_flight import SingleFlight
-from adapters_store.sources import LocalSource, Snapshot, Source
+from adapters_store.sources import LocalSource, Snapshot, Source, Staging, read_staged
 
 _MAX_REMEMBERED_FAILURES = 4096
 
@@ -106,6 +107,8 @@ class AdapterStore:
         self._failures: dict[str, tuple[int, float, Exception]] = {}  # name → (gen, expires, error)
         self._executor = ThreadPoolExecutor(config.workers, thread_name_prefix="adapter-load")
         self._flights = SingleFlight(self._executor)
+        self._staging = Staging()
+        self.fast = FastLoader(shape)  # plans of the files' layouts (adapters_store/fast_load.py)
 
     # -- registry -----------------------------------------------------------------------------------
     def register(self, name: str, uri: str | Path) -> None:
@@ -298,12 +301,12 @@ class AdapterStore:
                 return weights
             self.metrics.event("host", "miss")
             start = time.monotonic()
-            blob, tier = source.read_weights(snap)
+            raw, tier = read_staged(source, snap, self._staging)  # this thread's buffer, reused
             if tier != "local":
                 self.metrics.event("disk", "hit" if tier == "disk" else "miss")
             manifest = parse_manifest(snap.config, self.config.max_rank)
-            weights = self.host.put(parse_weights(name, manifest, blob, self.shape, snap.version))
-            self.metrics.load(tier, len(blob), time.monotonic() - start)
+            weights = self.host.put(self.fast.load(name, manifest, raw, snap.version, self.host.alloc))
+            self.metrics.load(tier, raw.nbytes, time.monotonic() - start)
             return weights
         except (AdapterNotFoundError, InvalidAdapterError, SourceChangedError) as exc:
             self.metrics.error(type(exc).__name__)

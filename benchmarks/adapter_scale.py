@@ -9,8 +9,10 @@ Adapters enter through the product's own path: an AdapterStore with an on-demand
 (``adapter_source``), so every name is resolved on first use, single-flight, its content
 version asked of the source on each cold load, its safetensors parsed and validated (shapes,
 finite values, rank) and packed into the pinned host LRU (``adapter_cache.host_gb``,
-``adapter_cache.workers``) exactly as in serving. Only the bytes come from a stand-in
-(``SlabSource``, plugged in by overriding ``AdapterStore._source``): 10,000 × 80 MB (800 GB)
+``adapter_cache.workers``) exactly as in serving (adapters_store/fast_load.py: a handful
+of ops per load, the file read into a reused buffer, evicted host buffers reused). Only the
+bytes come from a stand-in (``SlabSource``, plugged in by overriding ``AdapterStore._source``,
+its ``read_into`` a memcpy that releases the GIL): 10,000 × 80 MB (800 GB)
 fit on no disk or host here, so adapter i's safetensors file is a header plus an 80 MB slice
 of one random fp16 slab (--slab-gb) at an offset of its own, its first 16 values stamped from
 the sha256 of its name, so no two adapters hold the same content. Making one is a memcpy.
@@ -44,7 +46,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from adapters_store.gpu_pool import LoraPool, PoolConfig  # noqa: E402
-from adapters_store.host_cache import HostCacheConfig  # noqa: E402
+from adapters_store.host_cache import HostCacheConfig, pinned_bytes  # noqa: E402
+from adapters_store.sources import Staging  # noqa: E402
 from adapters_store.store import StoreConfig  # noqa: E402
 from app.engine.config import EngineConfig  # noqa: E402
 from app.engine.core import EngineCore  # noqa: E402
@@ -163,16 +166,19 @@ def rates(store: StandInStore, shape, slab: Slab, workers: int, n: int) -> dict:
     """Sustained rates, measured after the replays on names no replay used: the stand-in alone
     (``workers`` threads building adapter files), then the product's cold load through a fresh
     store (source + parse + validation + pinned pack), both over n adapters."""
-    names = [f"probe{k}" for k in range(n)]
+    names, staging = [f"probe{k}" for k in range(n)], Staging()
+    read = lambda name: SlabSource(slab, name, store.gbps).read_into(None, staging.get)[0].nbytes  # noqa: E731
     start = time.perf_counter()
-    with ThreadPoolExecutor(workers) as pool:
-        nbytes = sum(pool.map(lambda name: len(SlabSource(slab, name, store.gbps).read_weights(None)[0]), names))
+    with ThreadPoolExecutor(workers) as pool:  # as the store reads: into each thread's reused buffer
+        nbytes = sum(pool.map(read, names))
     source_s = time.perf_counter() - start
-    host = replace(store.config.host, budget_bytes=2 * nbytes)
+    # the trace's steady state: room for half the probes, the later half each evicting one (whose buffer it reuses)
+    host = replace(store.config.host, budget_bytes=max(1, n // 2) * pinned_bytes(nbytes // n))
     probe = StandInStore(shape, replace(store.config, host=host), slab, store.gbps)
     start = time.perf_counter()
-    for fut in [probe.prefetch(name) for name in names]:
-        fut.result()
+    futures = [probe.prefetch(name) for name in names]
+    while futures:  # dropped once done, so that nothing holds an evicted adapter's buffer
+        futures.pop(0).result()
     host_s = time.perf_counter() - start
     probe.close()
     return {
@@ -248,6 +254,8 @@ def main():
         "demand": need,
         **rates(store, cfg.shape, slab, a.workers, a.probe),
         "host_load_ms_mean": round(mean_load_s * 1e3, 1),  # one cold load (source to pinned host) while replaying
+        # loads that left the fast path (fast_load.py) for the library's, and host buffers reused
+        "cold_load": {"library_path": store.fast.fallbacks, "buffers_reused": store.host.spares.reused},
         "host_tiers": store.tiers(pool),
         "all_resident": base,
         "on_demand": scale,
@@ -283,6 +291,8 @@ def smoke_checks(store: StandInStore, requests, base: dict, scale: dict) -> None
     assert not base["truncated"] and not scale["truncated"], "a replay was cut"
     assert base["finished"] == scale["finished"] == len(requests)
     assert store.tiers()["host"]["eviction"] > 0, "the host LRU never evicted: the smoke budget is too large"
+    assert store.fast.fallbacks == 0, "a stand-in adapter left the fast path"
+    assert store.host.spares.reused > 0, "no evicted host buffer was reused"
     one, two = (f"a{k}" for k in sorted({r[1] for r in requests})[:2])
     w1, w2 = store.get(one), store.get(two)
     assert w1.version == store.version(one) == SlabSource(store.slab, one).snapshot().version != w2.version
