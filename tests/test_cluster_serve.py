@@ -9,7 +9,6 @@ rounding within reach of a sampled draw's boundary (3 of 100 resumed streams dif
 
 import asyncio
 import random
-import time
 
 import pytest
 import ray
@@ -36,6 +35,7 @@ from tests.cluster_fixtures import (
     replica_actor,
     replica_ids,
     replica_report,
+    router_reports,
     scale,
     slowed_engine,
 )
@@ -79,6 +79,10 @@ def cluster(tmp_path_factory):
         yield {"url": url, "model": model, "adapters": adapters, "specs": specs}
 
 
+def _batches(reports: dict, order: list[str]) -> list[int | None]:
+    return [reports[r].batch if r in reports else None for r in order]
+
+
 # -- 1. consolidation ---------------------------------------------------------------
 
 
@@ -87,6 +91,7 @@ def test_requests_fill_the_oldest_replica_first_and_an_emptied_replica_stays_emp
 
     handle = serve.get_deployment_handle("LoraReplica", "pack").options(stream=True).generate
     order = sorted(replica_ids("pack"), key=lambda r: replica_report("pack", r).started_at)  # oldest first
+    assert wait_for(lambda: None not in _batches(router_reports("pack"), order), timeout=60)  # it knows their age
     streams, placed = [], []
 
     def open_one(i):
@@ -105,7 +110,9 @@ def test_requests_fill_the_oldest_replica_first_and_an_emptied_replica_stays_emp
     for gen in streams[8:12] + streams[0:2]:
         gen.cancel()
     assert wait_for(lambda: [replica_report("pack", r).batch for r in order] == [2, 4, 0], timeout=20)
-    time.sleep(0.6)  # the router's copy of the stats is up to one period old
+    # the router routes on its copy of the reports (up to a polling period old): once that shows
+    # the same, the next choices are made on the drop (a generous deadline, no fixed sleep)
+    assert wait_for(lambda: _batches(router_reports("pack"), order) == [2, 4, 0], timeout=60)
     for i in range(12, 14):
         open_one(i)
     assert placed[12:] == [order[0]] * 2  # the busiest with room, not the empty one
@@ -204,28 +211,36 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
     edge = GenerateRequest("edge", (11, 12, 13, 14, 15, 16), SamplingParams(max_tokens=PACK_LEN - 6, temperature=0.0))
     requests.append(edge)  # prompt + max_tokens = the context length: killed at its last token
     leave = {f"k{i}": 25 + 5 * i for i in (2, 5, 7, 10)}  # these clients hang up mid-stream
-    kills, kills_at = [], [0.0]
+    kills = []  # (replica, request id, tokens) of each kill
+    # The kills follow each other by events, not a clock: the next one only once a stream has
+    # failed over since the last (the kill went through: Serve routed a stream elsewhere), on a
+    # chunk of any stream still running past token 20 with 10 to go, so however slow the
+    # machine the 4 kills land while streams run.
+    streams, failovers_at_kill = {}, [0]
+
+    def failovers() -> int:
+        return sum(r == "failover" for s in streams.values() for r, _ in s.moves)
 
     async def maybe_kill(stream, chunk):
+        streams[stream.request.request_id] = stream
         n = len(stream.token_ids)
         crossed = lambda x: n - len(chunk.token_ids) < x <= n  # noqa: E731 (an item may carry several tokens)
         others = sum(k != "edge" for _, k, _ in kills)
-        due = (
-            stream.replica is not None
-            and not chunk.finish_reason
-            and (
-                (stream.request is edge and crossed(PACK_LEN - 7))  # at its last token (or the item holding it)
-                or (
-                    stream.request is not edge
-                    and others < 4
-                    and (crossed(20) or crossed(50))
-                    and time.monotonic() > kills_at[0]
-                )
+        if stream.replica is None or chunk.finish_reason or stream.replica in [r for r, _, _ in kills]:
+            return
+        if stream.request is edge:
+            due = crossed(PACK_LEN - 7)  # at its last token (or the item holding it)
+        else:
+            due = (
+                others < 4
+                and (others == 0 or failovers() > failovers_at_kill[0])
+                and stream.request.request_id not in leave
+                and 20 <= n <= stream.request.params.max_tokens - 10
             )
-        )
-        if due and stream.replica not in [r for r, _, _ in kills]:
+        if due:
             kills.append((stream.replica, stream.request.request_id, n))
-            kills_at[0] = time.monotonic() + 1.0
+            if stream.request is not edge:
+                failovers_at_kill[0] = failovers()
             ray.kill(replica_actor("pack", stream.replica), no_restart=True)
 
     async def go():
@@ -261,16 +276,17 @@ def test_scale_down_moves_streams_off_the_stopped_replica(cluster):
     requests = make_requests(10, rng, prompt_len=(3, 6), max_tokens=(100, 120), prefix="d")
     assert len(idle("pack")) == 3  # all running: Serve stops a replica still starting first
     before = set(replica_ids("pack"))
-    running = asyncio.Event()
+    running, started = asyncio.Event(), set()
 
     async def note(stream, chunk):
         if len(stream.token_ids) >= 10:  # an item may carry several tokens
-            running.set()
+            started.add(stream.request.request_id)
+            if len(started) == len(requests):  # every stream placed and running: then scale down
+                running.set()
 
     async def go():
         tasks = asyncio.gather(*(client_stream(submit_to("pack", cluster["specs"]), r, note) for r in requests))
         await running.wait()
-        await asyncio.sleep(0.5)
         await asyncio.get_running_loop().run_in_executor(None, scale, "pack", 2)
         return await tasks
 
