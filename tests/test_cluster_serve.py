@@ -279,14 +279,15 @@ def test_scale_down_moves_streams_off_the_stopped_replica(cluster):
     running, started = asyncio.Event(), set()
 
     async def note(stream, chunk):
-        if len(stream.token_ids) >= 10:  # an item may carry several tokens
+        # 10 tokens in (an item may carry several), or ended early (a stop string)
+        if len(stream.token_ids) >= 10 or chunk.finish_reason:
             started.add(stream.request.request_id)
-            if len(started) == len(requests):  # every stream placed and running: then scale down
+            if len(started) == len(requests):  # every stream placed and under way: then scale down
                 running.set()
 
     async def go():
         tasks = asyncio.gather(*(client_stream(submit_to("pack", cluster["specs"]), r, note) for r in requests))
-        await running.wait()
+        await asyncio.wait_for(running.wait(), timeout=300)  # a bound only a broken cluster reaches
         await asyncio.get_running_loop().run_in_executor(None, scale, "pack", 2)
         return await tasks
 
