@@ -9,6 +9,7 @@ rounding within reach of a sampled draw's boundary (3 of 100 resumed streams dif
 
 import asyncio
 import random
+import time
 
 import pytest
 import ray
@@ -211,36 +212,28 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
     edge = GenerateRequest("edge", (11, 12, 13, 14, 15, 16), SamplingParams(max_tokens=PACK_LEN - 6, temperature=0.0))
     requests.append(edge)  # prompt + max_tokens = the context length: killed at its last token
     leave = {f"k{i}": 25 + 5 * i for i in (2, 5, 7, 10)}  # these clients hang up mid-stream
-    kills = []  # (replica, request id, tokens) of each kill
-    # The kills follow each other by events, not a clock: the next one only once a stream has
-    # failed over since the last (the kill went through: Serve routed a stream elsewhere), on a
-    # chunk of any stream still running past token 20 with 10 to go, so however slow the
-    # machine the 4 kills land while streams run.
-    streams, failovers_at_kill = {}, [0]
-
-    def failovers() -> int:
-        return sum(r == "failover" for s in streams.values() for r, _ in s.moves)
+    kills, kills_at = [], [0.0]
 
     async def maybe_kill(stream, chunk):
-        streams[stream.request.request_id] = stream
         n = len(stream.token_ids)
         crossed = lambda x: n - len(chunk.token_ids) < x <= n  # noqa: E731 (an item may carry several tokens)
         others = sum(k != "edge" for _, k, _ in kills)
-        if stream.replica is None or chunk.finish_reason or stream.replica in [r for r, _, _ in kills]:
-            return
-        if stream.request is edge:
-            due = crossed(PACK_LEN - 7)  # at its last token (or the item holding it)
-        else:
-            due = (
-                others < 4
-                and (others == 0 or failovers() > failovers_at_kill[0])
-                and stream.request.request_id not in leave
-                and 20 <= n <= stream.request.params.max_tokens - 10
+        due = (
+            stream.replica is not None
+            and not chunk.finish_reason
+            and (
+                (stream.request is edge and crossed(PACK_LEN - 7))  # at its last token (or the item holding it)
+                or (
+                    stream.request is not edge
+                    and others < 4
+                    and (crossed(20) or crossed(50))
+                    and time.monotonic() > kills_at[0]
+                )
             )
-        if due:
+        )
+        if due and stream.replica not in [r for r, _, _ in kills]:
             kills.append((stream.replica, stream.request.request_id, n))
-            if stream.request is not edge:
-                failovers_at_kill[0] = failovers()
+            kills_at[0] = time.monotonic() + 1.0
             ray.kill(replica_actor("pack", stream.replica), no_restart=True)
 
     async def go():
