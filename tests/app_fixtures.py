@@ -40,25 +40,73 @@ def example_adapter_names() -> list[str]:
     return sorted(local_adapters(EXAMPLE_ADAPTERS))
 
 
-@contextmanager
-def serving(apps: dict[str, tuple[object, str]], num_cpus: int = 2, env: dict[str, str] | None = None):
-    """Deploy {name: (application, route_prefix)} on a fresh local Ray (its workers get
-    ``env`` on top of this process's environment); yields the base URL."""
+# One local Ray + Serve for the whole session (starting one costs ~15 s on 2 cores): each
+# module deploys its applications on it and deletes them when done. It starts again only for
+# a module whose workers need another environment (env_vars are set when Ray starts), and is
+# stopped before a module that starts a Ray of its own (release_shared) and at the session's end.
+SHARED_CPUS = 8  # logical CPUs: room for the largest module's replicas (each asks for a share)
+_shared: dict = {}
+
+
+def shared_serve(env: dict[str, str] | None = None, num_cpus: int = SHARED_CPUS) -> dict:
+    """This session's Ray + Serve, started if needed; {"url", "metrics_port"}."""
     import ray
     from ray import serve
 
+    key = (tuple(sorted((env or {}).items())), max(num_cpus, SHARED_CPUS))
+    if _shared.get("key") == key and ray.is_initialized():
+        return _shared
+    release_shared()
+    metrics_port = free_port()
     ray.init(
-        num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env} if env else None
+        num_cpus=key[1],
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": env} if env else None,
+        _metrics_export_port=metrics_port,  # tests/test_autoscaling_serve.py scrapes it
+        _system_config={"metrics_report_interval_ms": 1000},
     )
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    _shared.update(key=key, url=f"http://127.0.0.1:{port}", metrics_port=metrics_port)
+    return _shared
+
+
+def release_shared() -> None:
+    """Stop the shared Ray (if this process started one)."""
+    if not _shared:
+        return
+    import ray
+    from ray import serve
+
+    _shared.clear()
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        targets = [serve.RunTarget(app, name=name, route_prefix=prefix) for name, (app, prefix) in apps.items()]
-        serve.run_many(targets)
-        yield f"http://127.0.0.1:{port}"
-    finally:
         serve.shutdown()
+    finally:
         ray.shutdown()
+
+
+def delete_apps() -> None:
+    """Delete every application on the shared Serve: the next module starts from none."""
+    from ray import serve
+
+    for name in list(serve.status().applications):
+        serve.delete(name)
+
+
+@contextmanager
+def serving(apps: dict[str, tuple[object, str]], num_cpus: int = 2, env: dict[str, str] | None = None):
+    """Deploy {name: (application, route_prefix)} on the session's Ray (its workers get ``env``
+    on top of this process's environment; at least ``num_cpus`` logical CPUs); yields the base
+    URL. On the way out every application deployed meanwhile is deleted."""
+    from ray import serve
+
+    url = shared_serve(env, num_cpus)["url"]
+    try:
+        serve.run_many([serve.RunTarget(app, name=name, route_prefix=prefix) for name, (app, prefix) in apps.items()])
+        yield url
+    finally:
+        delete_apps()
 
 
 def replica_stats(app: str = APP) -> dict:

@@ -107,3 +107,18 @@ def scale(app: str, num_replicas: int) -> None:
 
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     ray.get(controller.update_deployment_replicas.remote(DeploymentID("LoraReplica", app), num_replicas))
+
+
+def router_reports(app: str) -> dict:
+    """{replica id: ReplicaStats} as this process's router for the app's LoraReplica last heard
+    them (Serve's controller polls each replica and passes the reports on): what it routes on.
+    Waiting on this, not on a fixed sleep, tells a test the router has caught up. Reaches into
+    Serve's handle (every handle of a deployment in a process shares one router)."""
+    from ray import serve
+
+    from cluster.stats import ReplicaStats
+
+    router = serve.get_deployment_handle("LoraReplica", app)._init_router()
+    request_router = router._asyncio_router._request_router
+    replicas = request_router.curr_replicas.items() if request_router is not None else ()
+    return {rid.unique_id: ReplicaStats.from_dict(r.routing_stats) for rid, r in replicas if r.routing_stats}

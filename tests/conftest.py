@@ -12,7 +12,7 @@ torch.set_num_threads(max(1, os.cpu_count() or 1))
 # `pytest -m "not serve"` is the quick loop. Found from the source of the test and of every
 # fixture it uses, so a new Serve test joins the tier without anyone remembering to mark it.
 # (The tests that start the `serve` CLI in a subprocess carry the marker themselves.)
-_STARTS_RAY = re.compile(r"\b(serving|ray\.init|serve\.run|serve\.start|Cluster|deploy_replicas)\(")
+_STARTS_RAY = re.compile(r"\b(serving|shared_serve|ray\.init|serve\.run|serve\.start|Cluster|deploy_replicas)\(")
 
 
 def _starts_ray(item) -> bool:
@@ -27,7 +27,15 @@ def _starts_ray(item) -> bool:
     return False
 
 
+# Modules whose Ray differs from the session's shared one (tests/app_fixtures.py): workers with
+# an S3 endpoint of their own in their environment, or a Ray of their own (`serve run`, a
+# multi-node Cluster). They run last, so the other Serve modules share one Ray start.
+_OWN_RAY_LAST = ("test_adapter_source_app.py", "test_app_s3.py", "test_app_serve_run.py", "test_config_change.py")
+_OWN_RAY_LAST += ("test_node_loss.py",)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name in _OWN_RAY_LAST)  # stable: the order within each group stays
     skip = (
         None
         if torch.cuda.is_available()
@@ -52,3 +60,12 @@ def default_model_dir():
     from app.model.default import default_model_dir as find
 
     return find()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The Ray the Serve modules shared (tests/app_fixtures.py) stops with the session."""
+    import sys
+
+    fixtures = sys.modules.get("tests.app_fixtures")
+    if fixtures is not None:
+        fixtures.release_shared()

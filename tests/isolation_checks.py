@@ -7,6 +7,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import torch
@@ -14,14 +15,16 @@ from safetensors.torch import load_file, save_file
 
 from app.generate import EXAMPLE_ADAPTERS
 from app.model.default import DEFAULT_MODEL_NAME as BASE
-from tests.app_fixtures import FLAKY_ADAPTER, example_adapter_names, replica_stats
+from tests.app_fixtures import FLAKY_ADAPTER, engine_with_flaky_adapter_load, example_adapter_names, replica_stats
 from tests.error_hygiene import leaks
 
 ADAPTERS = example_adapter_names()
 VICTIMS = [BASE, *ADAPTERS][:4]
 QUESTION = [{"role": "user", "content": "Tell me a short story about the sea."}]
 PROMPT = "The capital of France is"
-VICTIM_TOKENS = 20  # long enough to still be running when the hostile request lands, on a loaded machine too
+VICTIM_TOKENS = 20
+VICTIM_SEED = 7777  # marks the victims' requests (greedy: the seed changes nothing else) for the hold below
+_HOLD = ("victims-hold", "loraplex-tests")  # a named actor (name, namespace): test and engine meet there
 COMPLETIONS, CHATS, ADMIN = "/v1/completions", "/v1/chat/completions", "/v1/adapters"
 OVERFLOWING = "overflowing"  # finite weights so large that the adapter's activations overflow
 
@@ -50,7 +53,70 @@ def overflow(tensors):
 
 
 def victim_body(model: str) -> dict:
-    return {"model": model, "messages": QUESTION, "max_tokens": VICTIM_TOKENS, "temperature": 0, "stream": True}
+    return {
+        "model": model,
+        "messages": QUESTION,
+        "max_tokens": VICTIM_TOKENS,
+        "temperature": 0,
+        "seed": VICTIM_SEED,
+        "stream": True,
+    }
+
+
+class _Hold:
+    def __init__(self):
+        self.released = False
+
+    def release(self):
+        self.released = True
+
+    def is_released(self):
+        return self.released
+
+
+def engine_holding_victims(settings):
+    """The isolation app's engine (the flaky adapter load of tests/app_fixtures.py) that runs no
+    step while a hold is up (hold_victims) and it holds only victims, each with a token: they wait
+    for the hostile request to arrive (or the release), still running when it lands however slow
+    the machine. Its thread keeps taking in requests meanwhile (a held step returns nothing)."""
+    import ray
+
+    engine = engine_with_flaky_adapter_load(settings)
+    core, step = engine.core, engine.core.step
+
+    def held() -> bool:
+        seqs = list(core._seqs.values())
+        if not seqs or any(s.params.seed != VICTIM_SEED or not s.output_ids for s in seqs):
+            return False
+        try:
+            hold = ray.get_actor(_HOLD[0], namespace=_HOLD[1])
+        except ValueError:  # no hold up: the victims run as any request
+            return False
+        return not ray.get(hold.is_released.remote())
+
+    def step_or_hold():
+        if held():
+            time.sleep(0.01)
+            return []
+        return step()
+
+    core.step = step_or_hold
+    return engine
+
+
+@contextmanager
+def hold_victims():
+    """Yields release(): until it is called the victims stop after their first token unless
+    another request is in the engine (engine_holding_victims). Released on the way out too."""
+    import ray
+
+    actor = ray.remote(num_cpus=0)(_Hold).options(name=_HOLD[0], namespace=_HOLD[1]).remote()
+    ray.get(actor.is_released.remote())  # up before the victims start
+    try:
+        yield lambda: ray.get(actor.release.remote())
+    finally:
+        ray.get(actor.release.remote())
+        ray.kill(actor)
 
 
 def read_stream(response: httpx.Response, on_token=None) -> tuple[str, dict | None]:
@@ -86,14 +152,19 @@ def victim(http, model: str, started: threading.Semaphore, finished: dict) -> st
 
 
 def alongside_victims(http, hostile):
-    """Run hostile() once all 4 victim streams are producing tokens; their texts and its result."""
+    """Run hostile() once all 4 victim streams are producing tokens; their texts and its result.
+    The victims are held in the engine until hostile() has reached it or returned (hold_victims):
+    they end after it was sent by construction, and the check below says so."""
     started, finished = threading.Semaphore(0), {}
-    with ThreadPoolExecutor(len(VICTIMS)) as pool:
-        futures = {m: pool.submit(victim, http, m, started, finished) for m in VICTIMS}
-        for _ in VICTIMS:
-            assert started.acquire(timeout=120)
-        sent = time.monotonic()
-        result = hostile(http)
+    with hold_victims() as release, ThreadPoolExecutor(len(VICTIMS)) as pool:
+        try:
+            futures = {m: pool.submit(victim, http, m, started, finished) for m in VICTIMS}
+            for _ in VICTIMS:
+                assert started.acquire(timeout=120)
+            sent = time.monotonic()
+            result = hostile(http)
+        finally:
+            release()  # before the pool waits for the victims
         texts = {m: f.result() for m, f in futures.items()}
     assert all(t > sent for t in finished.values()), "a victim ended before the hostile request was sent"
     return texts, result

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from app.model.default import DEFAULT_MODEL_NAME as BASE
-from tests.app_fixtures import CONFIG, REPO, example_adapter_names, wait_for
+from tests.app_fixtures import CONFIG, REPO, example_adapter_names, release_shared, wait_for
 from tests.error_hygiene import checked_openai
 
 pytestmark = pytest.mark.serve  # starts the `serve` CLI in a subprocess
@@ -36,6 +36,7 @@ def _healthy(url: str) -> bool:
 def served(tmp_path):
     """The command running in its own session (process group); yields (url, process, log path)."""
     assert shutil.which("serve"), "Ray's `serve` command is not on PATH (scripts/setup.sh installs it)"
+    release_shared()  # the command starts a Ray of its own: the session's one would only take CPU
     port = yaml.safe_load(CONFIG.read_text())["http_options"]["port"]
     if _port_open(port):
         pytest.fail(f"port {port} (serve_config.yaml http_options.port) is taken: cannot run `{COMMAND}`")

@@ -20,31 +20,20 @@ import uuid
 
 import pytest
 
-from tests.app_fixtures import free_port, wait_for
+from tests.app_fixtures import delete_apps, shared_serve, wait_for
 from tests.autoscaling_checks import complete, deploy, expected_text, in_threads, joined
+from tests.cluster_fixtures import router_reports
 from tests.replica_watch import ReplicaWatch
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray with Serve; yields the Prometheus port of Ray's metrics agent."""
-    import ray
-    from ray import serve
-
-    metrics_port = free_port()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _metrics_export_port=metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
+    """The session's Ray with Serve (tests/app_fixtures.py); yields the Prometheus port of Ray's
+    metrics agent. The module's applications are deleted at its end."""
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-        yield metrics_port
+        yield shared_serve()["metrics_port"]
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        delete_apps()
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +41,12 @@ def steady_app(cluster):
     """One replica of batch 5 that may scale to 3: shared by the flapping and metrics tests."""
     deploy("steady", {"min_replicas": 1, "max_replicas": 3, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0}, 5)
     return "steady"
+
+
+def _router_idle(app: str) -> bool:
+    """Every replica in the router's copy of the reports is empty (one being stopped drops out)."""
+    reports = router_reports(app)
+    return bool(reports) and all(r.batch == 0 for r in reports.values())
 
 
 def test_ramp_up_then_down_to_zero_and_back(cluster):
@@ -79,8 +74,9 @@ def test_ramp_up_then_down_to_zero_and_back(cluster):
         assert len({rid for r in burst for _, rid in r["routed"]}) >= 2
         # load that fits one replica, once every replica has reported its batch empty: the router
         # keeps it on the oldest, and the newer ones go as soon as they have idled for the delay
-        assert wait_for(watch.all_idle, timeout=10)
-        time.sleep(1.0)  # two of the router's stats polls (0.5 s): it sees them empty too
+        assert wait_for(watch.all_idle, timeout=60)
+        # the router's copy of the reports (polled every 0.5 s) shows them empty too: a deadline, no sleep
+        assert wait_for(lambda: _router_idle("ramp"), timeout=60)
         oldest, low_start, low = watch.oldest(), time.time(), []
         while len(watch.names()) > 1 and time.time() < low_start + 30:
             low.append(complete("ramp", [3, 1, len(low)], 10))
@@ -143,14 +139,15 @@ def test_scale_down_of_a_replica_still_streaming_migrates_its_streams(cluster):
 
 
 def test_no_flapping_under_steady_load(steady_app):
-    # 3 streams always in flight against a batch of 5: 60 % of one replica
+    # 3 streams always in flight against a batch of 5: 60 % of one replica. Each is 30 steps
+    # (1.5 s), so the gaps between one request and the next, longer on a busy machine, stay small
     stop = time.time() + 10
 
     def closed_loop(i):
         done = []
         while time.time() < stop:
-            done.append(complete(steady_app, [i, len(done)], 12))
-            assert done[-1]["text"] == expected_text([i, len(done) - 1], 12)
+            done.append(complete(steady_app, [i, len(done)], 30))
+            assert done[-1]["text"] == expected_text([i, len(done) - 1], 30)
         return done
 
     with ReplicaWatch(steady_app) as watch:
@@ -160,7 +157,7 @@ def test_no_flapping_under_steady_load(steady_app):
         assert watch.ever() == {only}, watch.ever()  # no replica started or stopped meanwhile
         busy = [s["running"] for s in watch.samples_since(only, stop - 8, stop)]
         assert 2 <= sum(busy) / len(busy) <= 3, busy  # the load: 3 streams, less the gaps between requests
-    assert all(len(d) >= 5 for d in done), [len(d) for d in done]
+    assert all(len(d) >= 3 for d in done), [len(d) for d in done]  # a closed loop: one after another
     assert {rid for d in done for r in d for _, rid in r["routed"]} == {only}
 
 

@@ -36,6 +36,7 @@ from tests.cluster_fixtures import (
     replica_actor,
     replica_ids,
     replica_report,
+    router_reports,
     scale,
     slowed_engine,
 )
@@ -79,6 +80,10 @@ def cluster(tmp_path_factory):
         yield {"url": url, "model": model, "adapters": adapters, "specs": specs}
 
 
+def _batches(reports: dict, order: list[str]) -> list[int | None]:
+    return [reports[r].batch if r in reports else None for r in order]
+
+
 # -- 1. consolidation ---------------------------------------------------------------
 
 
@@ -87,6 +92,7 @@ def test_requests_fill_the_oldest_replica_first_and_an_emptied_replica_stays_emp
 
     handle = serve.get_deployment_handle("LoraReplica", "pack").options(stream=True).generate
     order = sorted(replica_ids("pack"), key=lambda r: replica_report("pack", r).started_at)  # oldest first
+    assert wait_for(lambda: None not in _batches(router_reports("pack"), order), timeout=60)  # it knows their age
     streams, placed = [], []
 
     def open_one(i):
@@ -105,7 +111,9 @@ def test_requests_fill_the_oldest_replica_first_and_an_emptied_replica_stays_emp
     for gen in streams[8:12] + streams[0:2]:
         gen.cancel()
     assert wait_for(lambda: [replica_report("pack", r).batch for r in order] == [2, 4, 0], timeout=20)
-    time.sleep(0.6)  # the router's copy of the stats is up to one period old
+    # the router routes on its copy of the reports (up to a polling period old): once that shows
+    # the same, the next choices are made on the drop (a generous deadline, no fixed sleep)
+    assert wait_for(lambda: _batches(router_reports("pack"), order) == [2, 4, 0], timeout=60)
     for i in range(12, 14):
         open_one(i)
     assert placed[12:] == [order[0]] * 2  # the busiest with room, not the empty one
@@ -261,16 +269,18 @@ def test_scale_down_moves_streams_off_the_stopped_replica(cluster):
     requests = make_requests(10, rng, prompt_len=(3, 6), max_tokens=(100, 120), prefix="d")
     assert len(idle("pack")) == 3  # all running: Serve stops a replica still starting first
     before = set(replica_ids("pack"))
-    running = asyncio.Event()
+    running, started = asyncio.Event(), set()
 
     async def note(stream, chunk):
-        if len(stream.token_ids) >= 10:  # an item may carry several tokens
-            running.set()
+        # 10 tokens in (an item may carry several), or ended early (a stop string)
+        if len(stream.token_ids) >= 10 or chunk.finish_reason:
+            started.add(stream.request.request_id)
+            if len(started) == len(requests):  # every stream placed and under way: then scale down
+                running.set()
 
     async def go():
         tasks = asyncio.gather(*(client_stream(submit_to("pack", cluster["specs"]), r, note) for r in requests))
-        await running.wait()
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(running.wait(), timeout=300)  # a bound only a broken cluster reaches
         await asyncio.get_running_loop().run_in_executor(None, scale, "pack", 2)
         return await tasks
 

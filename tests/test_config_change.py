@@ -2,9 +2,9 @@
 streams in flight, then `serve deploy` (the CLI, against the running cluster) of a config
 whose `args` differ (Serve replaces every replica: Ingress, LoraReplicas, registry) and of
 one whose replica count differs (a light update: 3 → 2, the stopped replica's streams
-move). Every stream ends with `[DONE]` and equals its reference, taken from the same
-server before the change (greedy, one stream at a time); a fresh request sent during each
-change succeeds."""
+move). Every stream ends with `[DONE]` and equals its reference, the same greedy request run
+alone on an engine in this process (the engines compute in float64); a fresh request sent
+during each change succeeds."""
 
 import os
 import re
@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.app_fixtures import CONFIG, REPO, free_port, wait_for
+from tests.app_fixtures import CONFIG, REPO, free_port, release_shared, wait_for
 from tests.cluster_fixtures import make_tiny_chat_llama
 from tests.sse_client import errors, finish, start_streams
 
@@ -34,6 +34,7 @@ def _config(path, model, port, replicas: int, max_body_bytes: int):
     app["import_path"] = "tests.fault_app:build_app"
     app["args"].update(
         model=str(model),
+        dtype="float64",  # references are taken alone (tests: references)
         max_model_len=256,
         adapter_dirs=[],
         registry_path=None,
@@ -72,6 +73,7 @@ def _env():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     assert shutil.which("serve")
+    release_shared()  # `serve run` starts a Ray of its own: the session's one would only take CPU
     root = tmp_path_factory.mktemp("config-change")
     model = make_tiny_chat_llama(root / "model")
     port = free_port()
@@ -111,10 +113,24 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(served):
-    """The same 8 streams at once on the unchanged server (batched as in the test)."""
-    results = finish(*start_streams(served["url"], _bodies()))
-    assert all(r["events"][-1:] == ["[DONE]"] and not errors(r) for r in results)
-    return [r["text"] for r in results]
+    """Each stream alone on an engine in this process (same checkpoint, float64 like the served
+    ones: a batch's shape moves no greedy choice then), not slowed: ~50 s of served steps saved."""
+    import torch
+
+    from app.engine.config import EngineConfig
+    from app.engine.factory import build_engine
+    from app.protocol import GenerateRequest, SamplingParams, TokenChunk
+
+    core = build_engine(served["model"], EngineConfig(max_model_len=256, dtype=torch.float64))
+    texts = []
+    for i, prompt in enumerate(PROMPTS):
+        ids = core.tokenizer(prompt, add_special_tokens=False)["input_ids"]  # as the Ingress does
+        core.add(GenerateRequest(f"ref{i}", tuple(ids), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)))
+        chunks = []
+        while core.has_work():
+            chunks += [c for c in core.step() if isinstance(c, TokenChunk)]
+        texts.append("".join(c.text for c in chunks))
+    return texts
 
 
 @pytest.mark.parametrize("change", ["args", "replicas"])

@@ -23,7 +23,6 @@ from tests.app_fixtures import (
     FLAKY_ADAPTER,
     GATED_PREFIX,
     config_args,
-    engine_with_flaky_adapter_load,
     gated_tokenizer,
     replica_stats,
     serving,
@@ -43,6 +42,7 @@ from tests.isolation_checks import (
     adapter_copy,
     alongside_victims,
     completion,
+    engine_holding_victims,
     hostile_cases,
     overflow,
     read_stream,
@@ -74,8 +74,9 @@ def server(args):
 
 def isolation_app(args):
     """The application with two faults the tests can trigger: an adapter whose load fails, and
-    a prompt held inside the tokenizer (tests/app_fixtures.py)."""
-    return app_from_args(args, engine_factory=engine_with_flaky_adapter_load, tokenizer_loader=gated_tokenizer)
+    a prompt held inside the tokenizer (tests/app_fixtures.py); and victims held in the engine
+    until a hostile request joins them (tests/isolation_checks.py)."""
+    return app_from_args(args, engine_factory=engine_holding_victims, tokenizer_loader=gated_tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,11 @@ ARCHS = (80, 90)
 _SPAWN = multiprocessing.get_context("spawn")
 
 
-def _isolated(fn, *args):
-    with ProcessPoolExecutor(1, mp_context=_SPAWN) as pool:
-        return pool.submit(fn, *args).result()
+@pytest.fixture(scope="module")
+def pool():
+    """Two spawned workers for every compile of the module (one per core; started once)."""
+    with ProcessPoolExecutor(2, mp_context=_SPAWN) as workers:
+        yield workers
 
 
 def _report(job):
@@ -30,10 +32,9 @@ def _report(job):
 
 
 @pytest.fixture(scope="module")
-def reports():
+def reports(pool):
     jobs = [(name, arch) for arch in ARCHS for name in sgmv.all_kernel_names(arch)]
-    with ProcessPoolExecutor(2, mp_context=_SPAWN) as pool:
-        return list(pool.map(_report, jobs))
+    return list(pool.map(_report, jobs))
 
 
 def test_every_kernel_compiles_without_spills(reports):
@@ -66,20 +67,27 @@ def _compile_error() -> str:
     return ""
 
 
-def test_compile_errors_carry_the_log():
-    assert re.search("sgmv_kernel<int", _isolated(_compile_error))
+def test_compile_errors_carry_the_log(pool):
+    assert re.search("sgmv_kernel<int", pool.submit(_compile_error).result())
 
 
 def _compile_twice(cache_dir: str):
+    before = os.environ.get("LORAPLEX_CACHE")
     os.environ["LORAPLEX_CACHE"] = cache_dir
-    name = sgmv.kernel_name(sgmv.FUSED, torch.bfloat16, 32, 4096, 90)[0]
-    compile_uncached = nvrtc.compile_kernel.__wrapped__
-    first = compile_uncached("sgmv.cu", name, 90)
-    return first, compile_uncached("sgmv.cu", name, 90)
+    try:
+        name = sgmv.kernel_name(sgmv.FUSED, torch.bfloat16, 32, 4096, 90)[0]
+        compile_uncached = nvrtc.compile_kernel.__wrapped__
+        first = compile_uncached("sgmv.cu", name, 90)
+        return first, compile_uncached("sgmv.cu", name, 90)
+    finally:  # the worker goes on compiling for other tests
+        if before is None:
+            del os.environ["LORAPLEX_CACHE"]
+        else:
+            os.environ["LORAPLEX_CACHE"] = before
 
 
-def test_cubins_are_cached_on_disk(tmp_path):
-    (cubin, symbol), again = _isolated(_compile_twice, str(tmp_path))
+def test_cubins_are_cached_on_disk(pool, tmp_path):
+    (cubin, symbol), again = pool.submit(_compile_twice, str(tmp_path)).result()
     assert cubin[:4] == b"\x7fELF" and symbol.startswith("_Z")
     assert len(list(tmp_path.glob("*.cubin"))) == 1
     assert again == (cubin, symbol)
@@ -126,24 +134,23 @@ def test_rank_groups_only_for_few_items_and_kernels_ci_compiles():
             sgmv.kernel_name(sgmv.FUSED, torch.float16, max_rank, tokens, 90, split, 4, False, groups)
 
 
-def _engine_op_reports(arch):
-    from ops import paged_decode, sampling, small_ops
-
-    jobs = [("attention.cu", n) for n in paged_decode.all_kernel_names(arch)]
-    jobs += [("small_ops.cu", n) for n in small_ops.all_kernel_names()]
-    jobs += [("sampling.cu", sampling.KERNEL)]
-    return [(src, name, nvrtc.resource_report(src, name, arch)) for src, name in jobs]
+def _engine_op_report(job):
+    src, name, arch = job
+    return src, name, nvrtc.resource_report(src, name, arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_attention_and_small_op_kernels_compile_without_spills(arch):
+def test_attention_and_small_op_kernels_compile_without_spills(pool, arch):
     """The paged decode attention kernels (fp16/bf16 x head dims 64, 96, 128, 256; the group
     size 1..8 is an argument), the fused small ops and the sampling kernel, every instantiation the wrappers launch,
     for sm_80 and sm_90: no spills, and the decode kernel's shared memory within the arch's
     per-block limit."""
-    from ops import paged_decode, small_ops
+    from ops import paged_decode, sampling, small_ops
 
-    reports = _isolated(_engine_op_reports, arch)
+    jobs = [("attention.cu", n, arch) for n in paged_decode.all_kernel_names(arch)]
+    jobs += [("small_ops.cu", n, arch) for n in small_ops.all_kernel_names()]
+    jobs += [("sampling.cu", sampling.KERNEL, arch)]
+    reports = list(pool.map(_engine_op_report, jobs))  # both workers at once
     assert (
         len(reports) == len(paged_decode.all_kernel_names(arch)) + len(small_ops.all_kernel_names()) + 1 == 8 + 12 + 1
     )

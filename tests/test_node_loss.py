@@ -14,7 +14,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from app.builder import app_from_args
-from tests.app_fixtures import APP, config_args, free_port, wait_for
+from tests.app_fixtures import APP, config_args, free_port, release_shared, wait_for
 from tests.cluster_fixtures import make_tiny_chat_llama, replica_actor, replica_ids, replica_report, slowed_engine
 from tests.sse_client import errors, finish, start_streams
 
@@ -31,6 +31,7 @@ def _bodies():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = make_tiny_chat_llama(tmp_path_factory.mktemp("node-loss") / "model")
+    release_shared()  # a cluster of nodes of its own, not the session's one-node Ray
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     workers = [cluster.add_node(num_cpus=1, resources={SLOT: 1}) for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False)

@@ -3,7 +3,6 @@ real Ray Serve (3 replicas) a tenant's requests landing where its prefix is warm
 replica has room."""
 
 import random
-import time
 
 import pytest
 
@@ -64,11 +63,8 @@ APP = "prefix"
 
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory):
-    import ray
-    from ray import serve
-
     from app.serving.registry import scan
-    from tests.app_fixtures import config_args
+    from tests.app_fixtures import config_args, delete_apps, shared_serve
     from tests.cluster_fixtures import deploy_replicas, make_tiny_chat_llama, slowed_engine
     from tests.helpers import make_random_adapter
 
@@ -90,14 +86,12 @@ def pack(tmp_path_factory):
         ingress={"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}},
         cluster={"routing_stats_period_s": 0.2, "failover_wait_s": 60, "max_migrations": 32},
     )
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    shared_serve()  # the session's Ray + Serve
     try:
-        serve.start()
         deploy_replicas(APP, args, tuple(specs.values()), slowed_engine)
         yield specs
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        delete_apps()
 
 
 def test_a_tenant_lands_where_its_prefix_is_warm_while_that_replica_has_room(pack):
@@ -105,7 +99,7 @@ def test_a_tenant_lands_where_its_prefix_is_warm_while_that_replica_has_room(pac
     from ray import serve
 
     from tests.app_fixtures import wait_for
-    from tests.cluster_fixtures import replica_ids, replica_report
+    from tests.cluster_fixtures import replica_ids, replica_report, router_reports
 
     handle = serve.get_deployment_handle("LoraReplica", APP).options(stream=True).generate
     order = sorted(replica_ids(APP), key=lambda r: replica_report(APP, r).started_at)  # oldest first
@@ -132,21 +126,23 @@ def test_a_tenant_lands_where_its_prefix_is_warm_while_that_replica_has_room(pac
         return replica
 
     def settled(replica=None):
-        """Every replica idle (and ``replica`` reporting the tenant's head), then time for the
-        router's copy of the reports (polled every 0.2 s) to catch up."""
+        """Every replica idle (and ``replica`` reporting the tenant's head), in its own report and
+        in the router's copy of it (polled every 0.2 s): the router routes on what they say."""
 
-        def check():
-            try:
-                reports = {r: replica_report(APP, r) for r in order}
-            except ray.exceptions.RayError:  # a replica still busy with cancelled streams
-                return False
-            return all(s.batch == 0 for s in reports.values()) and (
+        def fits(reports):
+            return all(r in reports and reports[r].batch == 0 for r in order) and (
                 replica is None or prefix_head("t", tenant) in reports[replica].prefix_heads
             )
 
-        assert wait_for(check, timeout=90)
-        time.sleep(1.0)
+        def check():
+            try:
+                return fits({r: replica_report(APP, r) for r in order}) and fits(router_reports(APP))
+            except ray.exceptions.RayError:  # a replica still busy with cancelled streams
+                return False
 
+        assert wait_for(check, timeout=90)
+
+    settled()  # the router has every replica's first report
     assert run(stranger) == order[0]  # all idle: the oldest
     settled()
     assert run(tenant, avoid=(order[0],)) == order[1]  # warm the tenant's prefix on the middle replica
