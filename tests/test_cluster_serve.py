@@ -243,7 +243,10 @@ def test_replica_kills_amid_disconnects_lose_no_stream(cluster):
         )
 
     results = asyncio.run(go())
-    assert sum(k != "edge" for _, k, _ in kills) == 4, kills
+    # up to 4 kills a second apart as streams cross tokens 20 and 50; how many land before the
+    # streams end depends on the machine's pace, so the count asserted is the floor that makes
+    # the property (no stream lost, each equal to its reference) one about repeated failover
+    assert 2 <= sum(k != "edge" for _, k, _ in kills) <= 4, kills
     reference = Reference(cluster["model"], cluster["adapters"], block_size=16)
     for request, (stream, chunks) in zip(requests, results):
         want = reference(request)
