@@ -2,7 +2,7 @@
 (ops/paged_attention.py) built once per step by app/engine/batch.py and reused by every layer.
 
 On CUDA, shapes the kernels serve (ops/paged_decode.py's `supported`) run on them
-(ops/paged_attention.py); everything else (the CPU; on CUDA, fp32 or head layouts the kernels
+(ops/paged_attention.py); everything else (the CPU; on CUDA, head layouts and page sizes the kernels
 lack) runs the fp32 torch reference (ops/paged_reference.py), which defines what both compute.
 """
 

@@ -1,6 +1,6 @@
 """fp32 torch reference of attention over the paged KV cache, as ops/reference.py is for SGMV:
 the semantics the CUDA path (ops/paged_attention.py) is held to, and the attention of every step
-the CUDA kernels do not serve (the CPU; on CUDA, dtypes and head layouts they lack).
+the CUDA kernels do not serve (the CPU; on CUDA, head layouts and page sizes they lack).
 
 It reads the one step format, `PagedBatch`: prefill rows (each request's new tokens, causal over
 its whole context, the context's last tokens being the request's rows: cu_q / cu_k offsets,

@@ -34,7 +34,8 @@ class ModelRunner:
         if kernels:  # a first-use compile would stall a step mid-serving
             small_ops.warm_up(model.dtype, config.device)
             paged_attention.warm_up(model.dtype, c.head_dim, c.num_heads // c.num_kv_heads, config.device)
-        single = kernels and config.tensor_parallel_size == 1  # a graph cannot hold the workers' steps
+        # graphs and the asynchronous readback serve one GPU (a graph cannot hold the workers' steps)
+        single = kernels and config.tensor_parallel_size == 1
         self.graphs = (
             DecodeGraphs(
                 model,
