@@ -4,8 +4,8 @@ After step N is queued, and before its tokens reach the host, step N+1 is queued
 it can only be a plain decode step of the same requests: every running request was sampled by
 step N, the free KV blocks cover the requests whose next token starts a block (the scheduler gives
 them now, as it would first thing next step, so it then allocates and preempts nothing:
-Scheduler.reserve_next_decode), and no waiting request could join (none waits, or the batch stays full). Requests that step N ends by length are
-left out. Step N+1 is a CUDA-graph decode step whose input tokens are step N's drawn tokens, read on
+Scheduler.reserve_next_decode), and no waiting request could join (none waits, or the batch stays
+full). Requests that step N ends by length are left out. Step N+1 is a CUDA-graph decode step whose input tokens are step N's drawn tokens, read on
 the device; everything else it needs (positions, slots, block tables, adapter segments, and its
 sampling parameters: each row one token further, app/engine/sampling_params.py) is known.
 
