@@ -13,7 +13,8 @@ and replayed behind an L2 flush, median of CUDA-event timings (benchmarks/method
 includes what a graph of one empty kernel takes (null_graph_us, ~4 µs: half the floor at context
 256 with 8 KV heads), so the summary also gives x floor net of it. Floor: K and V of every
 context, q and out, once, over the copy bandwidth measured here. Peers in the same
-run: the gather + masked SDPA path (ops/attention.py's AttentionGroup), and with --vllm vLLM's
+run: the gather + masked SDPA path (ops/paged_reference.py, the torch reference the CPU runs: fp32
+here, so slower than the fp16 gather path it replaced), and with --vllm vLLM's
 Triton unified_attention (its 2D kernel: what vLLM's Triton backend runs from 128 / kv_heads
 sequences up, so for these batches), each checked against ours first.
 """
@@ -28,8 +29,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.method import copy_bandwidth, save_figure, time_graph  # noqa: E402
-from ops import attention as gather_path  # noqa: E402
 from ops import paged_decode as pd  # noqa: E402
+from ops import paged_reference as gather_path  # noqa: E402
+from ops.paged_attention import DecodeRows  # noqa: E402
 
 SEQS, BS = 32, 16
 CONTEXTS = (256, 512, 1024, 2048, 4096)
@@ -53,18 +55,6 @@ def _case(heads, kv_heads, d, ctx, gen):
     lens = torch.full((SEQS,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(SEQS, heads, d, device="cuda", generator=gen).half()
     return q, k, v, tables, lens
-
-
-def _gather_group(tables, ctx):
-    idx = torch.arange(ctx, device="cuda")
-    kv_index = tables[:, idx // BS].long() * BS + idx % BS  # [seqs, ctx]
-    return gather_path.AttentionGroup(
-        torch.arange(SEQS, device="cuda")[:, None],
-        kv_index,
-        torch.zeros(SEQS, 1, 1, ctx, device="cuda"),
-        torch.arange(SEQS, device="cuda"),
-        torch.arange(SEQS, device="cuda"),
-    )
 
 
 def _rel(a, b):
@@ -98,10 +88,10 @@ def _measure_row(shape, ctx, vllm_ops, bw, flush, gen):
     row["ours_us_by_config"] = {f"{w}x{s}": time_graph(ours(splits, (w, s)), flush) for w, s in pd.variants(d, 90)}
     ours(splits)()
     ref = torch.empty_like(q)
-    group = _gather_group(tables, ctx)
-    gather_path.paged_attention(ref, q, k, v, (group,), scale)
+    rows = DecodeRows(0, tables, lens, 1)
+    gather_path.decode(ref, q, k, v, rows, scale)
     row["ours_vs_gather_rel_err"] = _rel(out, ref)
-    row["gather_sdpa_us"] = time_graph(lambda: gather_path.paged_attention(ref, q, k, v, (group,), scale), flush)
+    row["gather_sdpa_us"] = time_graph(lambda: gather_path.decode(ref, q, k, v, rows, scale), flush)
     if vllm_ops is not None:
         vout = torch.empty_like(q)
         cu = torch.arange(SEQS + 1, dtype=torch.int32, device="cuda")

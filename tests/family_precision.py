@@ -13,16 +13,15 @@ import dataclasses
 
 import torch
 
-from app.engine.batch import build_paged_step, build_step
+from app.engine.batch import build_step
 from app.engine.sequence import Sequence
 from app.protocol import GenerateRequest, SamplingParams
 
 
 def engine_logits(engine, tokens: list[int], adapter: str | None = None) -> torch.Tensor:
     """The engine's logits [len(tokens), vocab] (fp32) at every position of ``tokens``, as served:
-    the first half in one prefill step through the runner's own step builder (the paged one where
-    the runner uses it), then one decode step per token through ``runner.run`` (on CUDA a CUDA
-    graph replay). The engine must be idle: the sequence takes the KV cache's first blocks."""
+    the first half in one prefill step through the runner's step builder, then one decode step per
+    token through ``runner.run`` (on CUDA a CUDA graph replay). The engine must be idle: the sequence takes the KV cache's first blocks."""
     runner, bs, n = engine.runner, engine.config.block_size, len(tokens)
     model, pool, prefill = runner.model, runner.model.lora_pool, len(tokens) // 2
     request = GenerateRequest(
@@ -35,10 +34,7 @@ def engine_logits(engine, tokens: list[int], adapter: str | None = None) -> torc
         while not pool.ready(seq.lora_slot):
             pass
     try:
-        if runner.paged:
-            inputs, _ = build_paged_step([(seq, prefill)], pool, bs, engine.config.device, model.cfg.num_kv_heads)
-        else:
-            inputs, _ = build_step([(seq, prefill)], pool, bs, engine.config.device)
+        inputs, _ = build_step([(seq, prefill)], pool, bs, engine.config.device, model.cfg.num_kv_heads)
         inputs = dataclasses.replace(inputs, sample_rows=torch.arange(prefill, device=inputs.token_ids.device))
         rows = [model.forward(inputs, runner.kv).float()]
         for token in tokens[prefill:]:

@@ -141,9 +141,8 @@ class _EagerGraphs:
         pending = next_tokens[0][next_tokens[1]].tolist() if next_tokens is not None else []
         for seq, token in zip(order, pending):  # the token the host has not appended yet
             seq.output_ids.append(token)
-        inputs, _ = build_step(
-            [(s, 1) for s in order], self.engine.model.lora_pool, self.engine.config.block_size, "cpu"
-        )
+        e = self.engine
+        inputs, _ = build_step([(s, 1) for s in order], e.model.lora_pool, e.config.block_size, "cpu", 1)
         for seq in order[: len(pending)]:
             seq.output_ids.pop()
         return self.engine.model.forward(inputs, self.engine.kv)

@@ -76,16 +76,14 @@ def test_weight_shards_gather_to_the_checkpoint(tiny_model_dir, cfg):
 
 
 def test_step_messages_rebuild_the_inputs_exactly():
-    """Every kind of step (padded groups, paged prefill + decode, with and without LoRA) comes
-    out of encode → decode equal, dtypes and shapes included."""
+    """Every kind of step (prefill + decode, decode only, with and without LoRA) comes out of
+    encode → decode equal, dtypes and shapes included."""
     from app.engine.tp.wire import decode, encode
     from app.model.inputs import LoraSegments, StepInputs
-    from ops.attention import AttentionGroup
     from ops.paged_attention import DecodeRows, PagedBatch, PrefillRows
 
     g = torch.Generator().manual_seed(3)
     ints = lambda *shape, dtype=torch.long: torch.randint(0, 99, shape, generator=g, dtype=dtype)  # noqa: E731
-    mask = torch.zeros(2, 1, 3, 16).masked_fill_(torch.rand(2, 1, 3, 16, generator=g) > 0.5, float("-inf"))
     lora = LoraSegments(
         ints(4, dtype=torch.int32),
         {m: ints(3, dtype=torch.int32) for m in TARGET_MODULES},
@@ -95,8 +93,7 @@ def test_step_messages_rebuild_the_inputs_exactly():
         PrefillRows(ints(), ints(3, dtype=torch.int32), ints(3, dtype=torch.int32), ints(40), 7, 33),
         DecodeRows(9, ints(2, 5, dtype=torch.int32), ints(2, dtype=torch.int32), 4),
     )
-    groups = (AttentionGroup(ints(2, 3), ints(2, 16), mask, ints(5), ints(5)),)
-    for attention, segs in ((groups, lora), (paged, None), (PagedBatch(None, paged.decode), lora)):
+    for attention, segs in ((paged, lora), (paged, None), (PagedBatch(None, paged.decode), lora)):
         inputs = StepInputs(ints(9), ints(9), ints(9), attention, ints(2), segs)
         out = decode(*encode(inputs, "cpu"))
 

@@ -134,7 +134,8 @@ class EngineCore:
             for seq, n in plan.scheduled:
                 self.scheduler.computed(seq, n)
                 self.tokens_computed += n
-            self.runner.run_ahead(result, self.scheduler)  # the GPU works on while the host samples
+            ahead = self.scheduler.reserve_next_decode(result, self.runner.max_ahead) if self.runner.max_ahead else None
+            self.runner.run_ahead(result, ahead)  # the GPU works on while the host samples
             tokens, logprobs = result.sample()
             out += [
                 self._fail(s, str(t)) if isinstance(t, SampleError) else self._postprocess(s, t, lp)

@@ -2,10 +2,10 @@
 
 After step N is queued, and before its tokens reach the host, step N+1 is queued behind it when
 it can only be a plain decode step of the same requests: every running request was sampled by
-step N, the free KV blocks cover the requests whose next token starts a block (they get them now,
-as the scheduler would first thing next step, so it allocates and preempts nothing), and no waiting
-request could join (none waits, or the batch stays full). Requests that step N ends by length are
-left out. Step N+1 is a CUDA-graph decode step whose input tokens are step N's drawn tokens, read on
+step N, the free KV blocks cover the requests whose next token starts a block (the scheduler gives
+them now, as it would first thing next step, so it then allocates and preempts nothing:
+Scheduler.reserve_next_decode), and no waiting request could join (none waits, or the batch stays
+full). Requests that step N ends by length are left out. Step N+1 is a CUDA-graph decode step whose input tokens are step N's drawn tokens, read on
 the device; everything else it needs (positions, slots, block tables, adapter segments, and its
 sampling parameters: each row one token further, app/engine/sampling_params.py) is known.
 
@@ -63,27 +63,3 @@ class Ahead:
         if self.output is None:
             return StepOutput(seqs, self.draw_later(rows, seqs))
         return StepOutput(seqs, self.output.drawn, rows)
-
-
-def next_decode(out: StepOutput, scheduler, block_size: int, max_batch: int) -> tuple[list[Sequence], list[int]] | None:
-    """The rows (and their rows in `out`) of the decode step that follows `out` for sure, or None;
-    rows whose next token starts a block are given it."""
-    running = scheduler.running
-    if len(out.sampled) != len(running):
-        return None
-    order, src = [], []
-    for row, seq in zip(out.rows, out.sampled):
-        if len(seq.output_ids) + 1 < seq.params.max_tokens:  # else step N's token ends it
-            order.append(seq)
-            src.append(row)
-    if not order or len(order) > max_batch:
-        return None
-    if scheduler.waiting and len(order) < scheduler.config.max_num_seqs:
-        return None
-    growing = [s for s in order if s.num_computed >= len(s.block_table) * block_size]
-    if len(growing) > scheduler.allocator.num_free:
-        return None
-    for seq in growing:
-        seq.block_table += scheduler.allocator.allocate(1)
-    by_adapter = sorted(range(len(order)), key=lambda i: order[i].lora_slot)  # one SGMV segment per adapter
-    return [order[i] for i in by_adapter], [src[i] for i in by_adapter]

@@ -1,19 +1,20 @@
-"""The model runner: a schedule in, a StepOutput out. It picks how the step runs: on CUDA with
-shapes the paged kernels serve, a PagedBatch step, and for steps of decode rows only a
-replay of the CUDA graph of the batch's bucket (EngineConfig.cuda_graphs), with the next decode
-step launched ahead where it is certain (app/engine/run_ahead.py); else the AttentionGroup step
-of the CPU path. Either way the step's rows are sampled right behind its logits, on their device
-(app/engine/sampler.py). The model itself knows none of this."""
+"""The model runner: a schedule in, a StepOutput out. Every step is built in one format
+(app/engine/batch.py: a PagedBatch, whatever the device) and run by the model's forward; on CUDA
+a step of decode rows only is instead a replay of the CUDA graph of the batch's bucket
+(EngineConfig.cuda_graphs), and the next decode step is launched ahead where it is certain
+(app/engine/run_ahead.py; the scheduler picks its rows and gives them their blocks). Either way
+the step's rows are sampled right behind its logits, on their device (app/engine/sampler.py).
+The model itself knows none of this."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from app.engine.batch import build_paged_step, build_step
+from app.engine.batch import build_step
 from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import DecodeGraphs
-from app.engine.run_ahead import Ahead, next_decode
+from app.engine.run_ahead import Ahead
 from app.engine.sampler import draw
 from app.engine.sampling_params import Staging, step_sampling
 from app.engine.scheduler import blocks_for
@@ -26,13 +27,15 @@ class ModelRunner:
     def __init__(self, model, kv, config: EngineConfig, max_model_len: int):
         self.model, self.kv, self.config = model, kv, config
         c = model.cfg
-        cuda = torch.device(config.device).type == "cuda" and config.tensor_parallel_size == 1
-        self.paged = cuda and paged_attention.supported(
+        # the CUDA kernels serve this model's attention (ops/attention.py dispatches by the same test)
+        kernels = torch.device(config.device).type == "cuda" and paged_attention.supported(
             model.dtype, c.head_dim, c.num_heads, c.num_kv_heads, config.block_size
         )
-        if self.paged:  # a first-use compile would stall a step mid-serving
+        if kernels:  # a first-use compile would stall a step mid-serving
             small_ops.warm_up(model.dtype, config.device)
             paged_attention.warm_up(model.dtype, c.head_dim, c.num_heads // c.num_kv_heads, config.device)
+        # graphs and the asynchronous readback serve one GPU (a graph cannot hold the workers' steps)
+        single = kernels and config.tensor_parallel_size == 1
         self.graphs = (
             DecodeGraphs(
                 model,
@@ -42,10 +45,10 @@ class ModelRunner:
                 config.block_size,
                 config.device,
             )
-            if self.paged and config.cuda_graphs
+            if single and config.cuda_graphs
             else None
         )
-        self.readback = Readback(config.max_num_seqs) if self.paged else None
+        self.readback = Readback(config.max_num_seqs) if single else None
         self.staging = Staging(config.device)
         self.ahead: Ahead | None = None
         self.steps_taken_ahead = 0
@@ -66,12 +69,17 @@ class ModelRunner:
         drawn = draw(logits, sp)
         return self.readback.start(drawn, sp) if self.readback is not None else host_rows(drawn, sp)
 
-    def run_ahead(self, out: StepOutput, scheduler) -> None:
-        """Queue the decode step that must follow `out` (called once its rows' num_computed count it)."""
-        nxt = next_decode(out, scheduler, self.config.block_size, self.graphs.max_batch) if self.graphs else None
-        if nxt is None:
+    @property
+    def max_ahead(self) -> int:
+        """The most rows a step launched ahead may have (0: none is)."""
+        return self.graphs.max_batch if self.graphs is not None else 0
+
+    def run_ahead(self, out: StepOutput, rows: tuple[list[Sequence], list[int]] | None) -> None:
+        """Queue the decode step that must follow `out`: `rows` (Scheduler.reserve_next_decode) are its
+        sequences, their blocks given, and each one's row in `out`; None: there is none."""
+        if rows is None:
             return
-        order, src = nxt
+        order, src = rows
         positions = [s.num_computed for s in order]
         logits = self.graphs.run(order, next_tokens=(out.drawn.tokens, src))
         if any(s.grammar is not None for s in order):  # masks need step N's tokens: drawn when taken
@@ -98,9 +106,6 @@ class ModelRunner:
         ):
             order = sorted((s for s, _ in scheduled), key=lambda s: s.lora_slot)
             return self.graphs.run(order), order
-        pool, bs, dev = self.model.lora_pool, self.config.block_size, self.config.device
-        if self.paged:
-            inputs, sampled = build_paged_step(scheduled, pool, bs, dev, self.model.cfg.num_kv_heads)
-        else:
-            inputs, sampled = build_step(scheduled, pool, bs, dev)
-        return self.model.forward(inputs, self.kv), sampled
+        m, c = self.model, self.config
+        inputs, sampled = build_step(scheduled, m.lora_pool, c.block_size, c.device, m.cfg.num_kv_heads)
+        return m.forward(inputs, self.kv), sampled

@@ -22,6 +22,7 @@ from app.engine.config import EngineConfig
 from app.engine.kv_cache import BlockAllocator
 from app.engine.prefix_cache import PrefixCache
 from app.engine.sequence import Sequence
+from app.engine.step_output import StepOutput
 
 
 @dataclass
@@ -95,6 +96,30 @@ class Scheduler:
         if seq.lora_slot >= 0:
             self.pool.release((seq.adapter.name, seq.adapter.version))
             seq.lora_slot = -1
+
+    def reserve_next_decode(self, out: StepOutput, max_batch: int) -> tuple[list[Sequence], list[int]] | None:
+        """The decode step that must follow step `out` (app/engine/run_ahead.py says when one must), as
+        its sequences sorted by adapter and each one's row in `out`, or None; those whose next token
+        starts a block are given it now, as the next schedule would first thing. Called once `out`'s
+        rows' num_computed count it."""
+        if len(out.sampled) != len(self.running):
+            return None
+        order, src = [], []
+        for row, seq in zip(out.rows, out.sampled):
+            if len(seq.output_ids) + 1 < seq.params.max_tokens:  # else step N's token ends it
+                order.append(seq)
+                src.append(row)
+        if not order or len(order) > max_batch:
+            return None
+        if self.waiting and len(order) < self.config.max_num_seqs:
+            return None
+        growing = [s for s in order if s.num_computed >= len(s.block_table) * self.config.block_size]
+        if len(growing) > self.allocator.num_free:
+            return None
+        for seq in growing:
+            seq.block_table += self.allocator.allocate(1)
+        by_adapter = sorted(range(len(order)), key=lambda i: order[i].lora_slot)  # one SGMV segment per adapter
+        return [order[i] for i in by_adapter], [src[i] for i in by_adapter]
 
     def _grow(self, seq: Sequence, n: int, out: Schedule) -> bool:
         """Give ``seq`` blocks for n more tokens, preempting the newest requests if needed."""

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ops.attention import AttentionGroup
 from ops.paged_attention import PagedBatch
 
 
@@ -25,9 +24,9 @@ class LoraSegments:
 
 @dataclass(frozen=True)
 class StepInputs:
-    token_ids: torch.Tensor  # [tokens] int64
-    positions: torch.Tensor  # [tokens] int64
-    slot_mapping: torch.Tensor  # [tokens] int64 (int32 with a PagedBatch) flat KV slot each token writes
-    attention: tuple[AttentionGroup, ...] | PagedBatch
+    token_ids: torch.Tensor  # [tokens] int32
+    positions: torch.Tensor  # [tokens] int32
+    slot_mapping: torch.Tensor  # [tokens] int32 flat KV slot each token writes (−1: none, a graph's padding)
+    attention: PagedBatch  # the same on every device (ops/attention.py)
     sample_rows: torch.Tensor  # [n] token rows whose logits are sampled
     lora: LoraSegments | None  # None: no token in this step uses an adapter

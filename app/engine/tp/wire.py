@@ -19,11 +19,10 @@ import torch
 import torch.distributed as dist
 
 from app.model.inputs import LoraSegments, StepInputs
-from ops.attention import AttentionGroup
 from ops.paged_attention import DecodeRows, PagedBatch, PrefillRows
 
 STEP, LOAD, STOP = 1, 2, 3
-_CLASSES = {c.__name__: c for c in (StepInputs, AttentionGroup, PagedBatch, PrefillRows, DecodeRows, LoraSegments)}
+_CLASSES = {c.__name__: c for c in (StepInputs, PagedBatch, PrefillRows, DecodeRows, LoraSegments)}
 _DTYPES = {
     str(d): d
     for d in (
