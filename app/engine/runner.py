@@ -20,7 +20,7 @@ from app.engine.sampling_params import Staging, step_sampling
 from app.engine.scheduler import blocks_for
 from app.engine.sequence import Sequence
 from app.engine.step_output import DrawnRows, Readback, StepOutput, host_rows
-from ops import paged_attention, small_ops
+from ops import paged_attention, sampling, small_ops
 
 
 class ModelRunner:
@@ -34,6 +34,8 @@ class ModelRunner:
         if kernels:  # a first-use compile would stall a step mid-serving
             small_ops.warm_up(model.dtype, config.device)
             paged_attention.warm_up(model.dtype, c.head_dim, c.num_heads // c.num_kv_heads, config.device)
+        if torch.device(config.device).type == "cuda":
+            sampling.warm_up(config.device)
         # graphs and the asynchronous readback serve one GPU (a graph cannot hold the workers' steps)
         single = kernels and config.tensor_parallel_size == 1
         self.graphs = (
