@@ -14,7 +14,7 @@ import torch
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
-from app.openai.client_stream import MigrationPolicy, ResubmittingStream, _replicas_leaving, with_fixed_seed
+from app.openai.client_stream import MigrationPolicy, ResubmittingStream, replicas_leaving, with_fixed_seed
 from app.protocol import Accepted, GenerateRequest, SamplingParams, TokenChunk, coalesce, is_final
 from tests.cluster_fixtures import make_tiny_chat_llama
 from tests.simulated_engine import SimulatedCore, StepTime
@@ -220,7 +220,7 @@ def test_a_move_in_the_middle_of_a_coalesced_item_resumes_exactly(model, alone, 
         if how == "drain":
             await asyncio.wrap_future(engines["A"].drain())
         else:
-            _replicas_leaving({"A"})
+            replicas_leaving({"A"})
         got += [item async for item in items]
         return stream, got
 

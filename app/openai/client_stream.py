@@ -71,14 +71,14 @@ _live: dict[str, set[ResubmittingStream]] = {}  # replica id → streams it serv
 _migrations = Counter("loraplex_migrations", "requests moved to another replica, by reason", tag_keys=("reason",))
 
 
-def _replicas_leaving(replica_ids: set[str]) -> None:
+def replicas_leaving(replica_ids: set[str]) -> None:
     """The router (on its own event loop) saw replicas leave the running set: their streams move."""
     for rid in replica_ids:
         for stream in list(_live.get(rid, ())):
             stream.loop.call_soon_threadsafe(stream.stop)
 
 
-on_replicas_leaving(_replicas_leaving)
+on_replicas_leaving(replicas_leaving)
 
 
 class ResubmittingStream:

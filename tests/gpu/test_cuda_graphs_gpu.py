@@ -52,7 +52,7 @@ def model_dir(tmp_path_factory):
     return path, adapters
 
 
-def _engine(model_dir, dtype, graphs=True, max_batch=32):
+def graph_engine(model_dir, dtype, graphs=True, max_batch=32):
     path, adapters = model_dir
     cfg = EngineConfig(
         max_num_seqs=max_batch,
@@ -66,7 +66,7 @@ def _engine(model_dir, dtype, graphs=True, max_batch=32):
     return build_engine(path, cfg, {k: str(v) for k, v in adapters.items()}, tokenizer=None)
 
 
-def _slots(engine):
+def adapter_slots(engine):
     pool, slots = engine.model.lora_pool, []
     for name in sorted(engine.adapters.names()):
         slot = pool.acquire(engine.adapters.get(name))
@@ -77,7 +77,7 @@ def _slots(engine):
     return slots
 
 
-def _random_kv(engine, seed):
+def random_kv(engine, seed):
     """Fill the KV cache with random values (every block a row may read)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     for k, v in engine.kv:
@@ -85,7 +85,7 @@ def _random_kv(engine, seed):
         v.copy_(torch.randn(v.shape, device="cuda", generator=gen))
 
 
-def _decode_rows(n, slots_of_rows, rng, max_len=1500, blocks=1024):
+def decode_rows(n, slots_of_rows, rng, max_len=1500, blocks=1024):
     free = list(range(blocks))
     rng.shuffle(free)
     rows = []
@@ -105,11 +105,11 @@ def _decode_rows(n, slots_of_rows, rng, max_len=1500, blocks=1024):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_graph_replay_equals_eager_bit_for_bit(model_dir, dtype):
-    engine = _engine(model_dir, dtype)
+    engine = graph_engine(model_dir, dtype)
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.capture_seconds < 60
-    _random_kv(engine, 1)
-    slots = _slots(engine)
+    random_kv(engine, 1)
+    slots = adapter_slots(engine)
     rng = random.Random(0)
     mixes = {
         "distinct": lambda n: [slots[i % len(slots)] for i in range(n)],
@@ -121,7 +121,7 @@ def test_graph_replay_equals_eager_bit_for_bit(model_dir, dtype):
     for size in graphs.buckets:
         for n in {size, max(1, size - 3)}:
             for name, mix in mixes.items():
-                order = _decode_rows(n, mix(n), rng)
+                order = decode_rows(n, mix(n), rng)
                 replayed = graphs.run(order).clone()
                 bucket = graphs._buckets[next(b for b in graphs.buckets if b >= n)]
                 lora = any(s.lora_slot >= 0 for s in order)
@@ -150,13 +150,13 @@ def test_engine_with_graphs_generates_what_it_does_without(model_dir):
     }
     out = {}
     for graphs in (True, False):
-        out[graphs], _, _ = run_to_completion(_engine(model_dir, torch.float16, graphs), requests)
+        out[graphs], _, _ = run_to_completion(graph_engine(model_dir, torch.float16, graphs), requests)
     same = sum(out[True][r] == out[False][r] for r in out[True])
     assert same >= 18, (same, len(out[True]))  # fp16 near-ties may break either way
 
 
 def _generate(model_dir, requests, ahead):
-    engine = _engine(model_dir, torch.float16)
+    engine = graph_engine(model_dir, torch.float16)
     if not ahead:
         engine.runner.run_ahead = lambda out, scheduler: None
     tokens, reasons, _ = run_to_completion(engine, requests)

@@ -11,7 +11,7 @@ from ops import paged_attention as pa
 from tests.family_fixtures import LLAMA_TARGETS, randomize_biases_and_norms
 from tests.family_precision import errors_from_fp32
 from tests.gpu.test_engine_gpu import check_mixed_batch_matches_peft
-from tests.gpu.test_paged_attention_gpu import BS, _cache, _prefill_rows, _rel, _tables
+from tests.gpu.test_paged_attention_gpu import BS, block_tables, paged_cache, prefill_rows, rel_err
 from tests.helpers import make_random_adapter
 
 pytestmark = pytest.mark.gpu
@@ -167,8 +167,8 @@ def test_paged_decode_window_and_softcap(dtype, group, d, window, softcap):
     heads = kv_heads * group
     lens = [1, 50, 99, 100, 101, 700, 2048, 0]
     blocks = sum(-(-n // BS) for n in lens) + 5
-    k, v = _cache(blocks, kv_heads, d, dtype, gen)
-    tables = _tables([max(n, 1) for n in lens], blocks, gen)
+    k, v = paged_cache(blocks, kv_heads, d, dtype, gen)
+    tables = block_tables([max(n, 1) for n in lens], blocks, gen)
     q = torch.randn(len(lens), heads, d, device="cuda", generator=gen).to(dtype) * 3
     for splits in (1, 3):
         out = torch.full_like(q, float("nan"))
@@ -190,7 +190,7 @@ def test_paged_decode_window_and_softcap(dtype, group, d, window, softcap):
                 d**-0.5,
                 softcap,
             )
-            assert _rel(out[i : i + 1], ref) < (5e-3 if dtype == torch.float16 else 2e-2), (splits, i)
+            assert rel_err(out[i : i + 1], ref) < (5e-3 if dtype == torch.float16 else 2e-2), (splits, i)
 
 
 @pytest.mark.parametrize("window, softcap", [(40, None), (None, 2.0), (40, 1.5)])
@@ -198,7 +198,7 @@ def test_prefill_window_and_softcap(window, softcap):
     gen = torch.Generator(device="cuda").manual_seed(3)
     heads, kv_heads, d, dtype = 8, 2, 128, torch.bfloat16
     reqs = [(0, 90), (70, 30), (0, 3)]  # (tokens already cached, new tokens)
-    q, k, v, rows, cu_q, kv_index = _prefill_rows(reqs, heads, kv_heads, d, dtype, gen)
+    q, k, v, rows, cu_q, kv_index = prefill_rows(reqs, heads, kv_heads, d, dtype, gen)
     q = q * 3
     out = torch.full_like(q, float("nan"))
     pa.prefill_varlen(out, q, k, v, rows, d**-0.5, window, softcap)
@@ -214,4 +214,4 @@ def test_prefill_window_and_softcap(window, softcap):
             d**-0.5,
             softcap,
         )
-        assert _rel(out[cu_q[i] : cu_q[i + 1]], ref) < 2e-2, i
+        assert rel_err(out[cu_q[i] : cu_q[i + 1]], ref) < 2e-2, i

@@ -20,13 +20,13 @@ BS = 16
 LENS = [1, 2, 15, 16, 17, 255, 511, 512, 513, 1000, 2048, 4096, 0, 3000]
 
 
-def _cache(blocks, kv_heads, d, dtype, gen, bs=BS):
+def paged_cache(blocks, kv_heads, d, dtype, gen, bs=BS):
     k = torch.randn(blocks, bs, kv_heads, d, device="cuda", generator=gen).to(dtype)
     v = torch.randn(blocks, bs, kv_heads, d, device="cuda", generator=gen).to(dtype)
     return k, v
 
 
-def _tables(lens, blocks, gen, bs=BS):
+def block_tables(lens, blocks, gen, bs=BS):
     width = max(-(-n // bs) for n in lens)
     perm = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
     need = sum(-(-n // bs) for n in lens)
@@ -57,7 +57,7 @@ def _ref_decode(q, k, v, tables, lens, scale, window=None, softcap=None):
     return out
 
 
-def _rel(a, b):
+def rel_err(a, b):
     return float((a.float() - b).norm() / b.norm().clamp(min=1e-6))
 
 
@@ -70,8 +70,8 @@ def _decode_case(dtype, d, group, lens, seed, bs=BS, q_scale=1.0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     kv_heads = 2 if group >= 4 else 4
     blocks = sum(-(-n // bs) for n in lens) + 7
-    k, v = _cache(blocks, kv_heads, d, dtype, gen, bs)
-    tables = _tables([max(n, 1) for n in lens], blocks, gen, bs)
+    k, v = paged_cache(blocks, kv_heads, d, dtype, gen, bs)
+    tables = block_tables([max(n, 1) for n in lens], blocks, gen, bs)
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = (q_scale * torch.randn(len(lens), kv_heads * group + 1, d, device="cuda", generator=gen)).to(dtype)
     return q[:, : kv_heads * group], k, v, tables, ctx
@@ -79,7 +79,7 @@ def _decode_case(dtype, d, group, lens, seed, bs=BS, q_scale=1.0):
 
 def _check(out, ref, lens, dtype, what):
     assert not out.isnan().any(), what
-    assert _rel(out, ref) < _tol(dtype), (what, _rel(out, ref))
+    assert rel_err(out, ref) < _tol(dtype), (what, rel_err(out, ref))
     assert all(out[i].abs().max() == 0 for i, n in enumerate(lens) if n == 0), what  # padding rows: zeros
 
 
@@ -145,12 +145,12 @@ def test_paged_decode_graph_replays_at_new_lengths():
         _check(out, _ref_decode(q, k, v, tables, lens, d**-0.5), lens, dtype, lens)
 
 
-def _prefill_rows(reqs, heads, kv_heads, d, dtype, gen):
+def prefill_rows(reqs, heads, kv_heads, d, dtype, gen):
     """Random q and caches for requests (tokens already cached, new tokens): q, k, v, PrefillRows,
     the query row offsets and each request's context slots."""
     blocks = sum(-(-(a + n) // BS) for a, n in reqs) + 3
-    k, v = _cache(blocks, kv_heads, d, dtype, gen)
-    tables = _tables([a + n for a, n in reqs], blocks, gen)
+    k, v = paged_cache(blocks, kv_heads, d, dtype, gen)
+    tables = block_tables([a + n for a, n in reqs], blocks, gen)
     q = torch.randn(sum(n for _, n in reqs), heads, d, device="cuda", generator=gen).to(dtype)
     cu_q, cu_k, kv_index = [0], [0], []
     for i, (a, n) in enumerate(reqs):
@@ -172,7 +172,7 @@ def test_prefill_varlen_causal_over_earlier_context(dtype):
     gen = torch.Generator(device="cuda").manual_seed(7)
     heads, kv_heads, d = 8, 2, 128
     reqs = [(0, 37), (20, 50), (300, 128), (0, 2)]  # (tokens already cached, new tokens)
-    q, k, v, rows, cu_q, kv_index = _prefill_rows(reqs, heads, kv_heads, d, dtype, gen)
+    q, k, v, rows, cu_q, kv_index = prefill_rows(reqs, heads, kv_heads, d, dtype, gen)
     out = torch.full_like(q, float("nan"))
     pa.prefill_varlen(out, q, k, v, rows, d**-0.5)
     for i, (a, n) in enumerate(reqs):
@@ -181,7 +181,7 @@ def test_prefill_varlen_causal_over_earlier_context(dtype):
         qq = q[cu_q[i] : cu_q[i + 1]].float().transpose(0, 1)
         mask = torch.arange(a + n, device="cuda")[None, :] <= (a + torch.arange(n, device="cuda"))[:, None]
         ref = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=d**-0.5).transpose(0, 1)
-        assert _rel(out[cu_q[i] : cu_q[i + 1]], ref) < 2e-2, (i, _rel(out[cu_q[i] : cu_q[i + 1]], ref))
+        assert rel_err(out[cu_q[i] : cu_q[i + 1]], ref) < 2e-2, (i, rel_err(out[cu_q[i] : cu_q[i + 1]], ref))
 
 
 def _ulps(a, b):

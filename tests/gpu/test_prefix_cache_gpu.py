@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 NAMES = (None, "a0", "a1", "a2")
 
 
-def _engine(model_dir, cache: bool):
+def graph_engine(model_dir, cache: bool):
     path, adapters = model_dir
     cfg = EngineConfig(
         max_num_seqs=16,
@@ -51,7 +51,7 @@ def test_cache_on_generates_what_cache_off_does_with_cuda_graphs(model_dir):
         requests.setdefault(6 * k, []).append(GenerateRequest(f"r{k}", prompt, params, name))
     out = {}
     for cache in (False, True):
-        engine = _engine(model_dir, cache)
+        engine = graph_engine(model_dir, cache)
         out[cache], reasons, _ = run_to_completion(engine, requests)
         assert set(reasons.values()) == {"length"}
         engine.allocator.check()
@@ -65,7 +65,7 @@ def test_cache_on_generates_what_cache_off_does_with_cuda_graphs(model_dir):
 
 def test_no_hits_across_adapters_on_the_gpu(model_dir):
     prompt = tuple(random.Random(1).randrange(512) for _ in range(200))
-    engine = _engine(model_dir, True)
+    engine = graph_engine(model_dir, True)
     jobs = {
         4 * i: [GenerateRequest(f"q{i}", prompt, SamplingParams(max_tokens=8, temperature=0.0), n)]
         for i, n in enumerate(NAMES)

@@ -12,7 +12,7 @@ from app.engine.sampler import draw
 from app.engine.sampling_params import Staging, step_sampling
 from app.protocol import GenerateRequest, SamplingParams
 from tests.gpu import test_cuda_graphs_gpu as graphs_test
-from tests.gpu.test_cuda_graphs_gpu import _decode_rows, _engine, _random_kv, _slots
+from tests.gpu.test_cuda_graphs_gpu import adapter_slots, decode_rows, graph_engine, random_kv
 
 pytestmark = pytest.mark.gpu
 model_dir = graphs_test.model_dir  # the same tiny Llama and 8 adapters (a module-scoped fixture)
@@ -39,15 +39,15 @@ def _drawn(logits, rows, staging):
 
 
 def test_sampled_graph_replay_equals_eager_at_every_bucket(model_dir):
-    engine = _engine(model_dir, torch.float16)
+    engine = graph_engine(model_dir, torch.float16)
     graphs, staging = engine.runner.graphs, Staging("cuda")
-    _random_kv(engine, 7)
-    slots = _slots(engine)
+    random_kv(engine, 7)
+    slots = adapter_slots(engine)
     rng = random.Random(8)
     checked = 0
     for size in graphs.buckets:
         for n in {size, max(1, size - 3)}:
-            rows = _with_params(_decode_rows(n, [rng.choice([-1, *slots]) for _ in range(n)], rng), rng)
+            rows = _with_params(decode_rows(n, [rng.choice([-1, *slots]) for _ in range(n)], rng), rng)
             replayed = graphs.run(rows)
             got = _drawn(replayed, rows, staging)  # queued right behind the replay, as the runner does
             bucket = graphs._buckets[next(b for b in graphs.buckets if b >= n)]
@@ -66,7 +66,7 @@ def test_sampled_graph_replay_equals_eager_at_every_bucket(model_dir):
 
 
 def _generate(model_dir, requests, ahead):
-    engine = _engine(model_dir, torch.float16)
+    engine = graph_engine(model_dir, torch.float16)
     if not ahead:
         engine.runner.run_ahead = lambda out, scheduler: None
     chunks = {}
