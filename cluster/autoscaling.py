@@ -279,7 +279,11 @@ class ConsolidatingPolicy:
         if self._metrics is None:
             self._metrics = _PolicyMetrics()
         self._metrics.record(
-            ctx.deployment_name, d, sum(r.idle_for(now) > 0 for r in loads), changed=d.target != ctx.target_num_replicas
+            ctx.app_name or "",
+            ctx.deployment_name,
+            d,
+            sum(r.idle_for(now) > 0 for r in loads),
+            changed=d.target != ctx.target_num_replicas,
         )
 
 
@@ -290,18 +294,19 @@ class _PolicyMetrics:
     def __init__(self):
         from ray.util.metrics import Counter, Gauge
 
-        tags = ("deployment",)
+        tags = ("application", "deployment")  # apps of one cluster may share a deployment name
         self.target = Gauge("loraplex_autoscaler_target_replicas", description="Target replica count", tag_keys=tags)
         self.idle = Gauge("loraplex_autoscaler_replicas_idle", description="Replicas holding no request", tag_keys=tags)
         self.decisions = Counter(
-            "loraplex_autoscaler_decisions", description="Target changes by reason", tag_keys=("deployment", "reason")
+            "loraplex_autoscaler_decisions", description="Target changes by reason", tag_keys=(*tags, "reason")
         )
 
-    def record(self, deployment: str, d: Decision, idle: int, changed: bool) -> None:
-        self.target.set(d.target, tags={"deployment": deployment})
-        self.idle.set(idle, tags={"deployment": deployment})
+    def record(self, app: str, deployment: str, d: Decision, idle: int, changed: bool) -> None:
+        tags = {"application": app, "deployment": deployment}
+        self.target.set(d.target, tags=tags)
+        self.idle.set(idle, tags=tags)
         if changed:
-            self.decisions.inc(1, tags={"deployment": deployment, "reason": d.reason})
+            self.decisions.inc(1, tags={**tags, "reason": d.reason})
 
 
 def ray_autoscaling_config(user: dict) -> dict:
