@@ -61,17 +61,20 @@ def sample_rows(
         z_stride=z.stride(0),
         vocab=vocab,
     )
-    from . import launch, nvrtc  # not at import: CPU-only processes never load NVRTC
+    from . import launch  # not at import: CPU-only processes never load NVRTC
 
-    index = z.device.index if z.device.index is not None else torch.cuda.current_device()
-    launch.launch(nvrtc.load_function("sampling.cu", KERNEL, index), n, 1024, args, z.device)
+    launch.launch(_function(z.device), n, 1024, args, z.device)
+
+
+def _function(device):
+    from . import nvrtc
+
+    device = torch.device(device)
+    return nvrtc.load_function(
+        "sampling.cu", KERNEL, device.index if device.index is not None else torch.cuda.current_device()
+    )
 
 
 def warm_up(device) -> None:
     """Compile and load the kernel now: a first-use compile would stall a step mid-serving."""
-    from . import nvrtc
-
-    device = torch.device(device)
-    nvrtc.load_function(
-        "sampling.cu", KERNEL, device.index if device.index is not None else torch.cuda.current_device()
-    )
+    _function(device)
