@@ -11,11 +11,16 @@ finite check and a stacked copy each, ~3,500 calls) waited for the GIL at each o
   duplicate key) — anything unusual is handed to the library path (``parse_weights``), which
   then gives its exact refusal or result;
 - a file of one dtype (F16, BF16, F32) whose layers repeat at a fixed stride per module, in
-  file order, is served from its own layout: the data section is checked for NaN/Inf with one
-  reduction in the file's dtype (the matrices tile it, so this is each matrix's check) and
+  file order, is served from its own layout: the data section is checked for NaN/Inf with two
+  integer reductions over its bits (the matrices tile it, so this is each matrix's check) and
   copied, converting, into the buffer with one copy; module stacks are strided views of it
   (B transposed by strides, the GPU pool transposes on the device). Layers are in file order
   (PEFT's files sort names: 0, 1, 10, 11, ...), ``ModuleStack.layers`` says which is which.
+
+The check and the copy run in numpy, on the loader thread alone with the GIL released: a torch op
+on a large CPU tensor starts an OpenMP team of every core for each calling thread, so eight loader
+threads ran eight teams beside the engine thread (measured in benchmarks/adapter_cold_load.py).
+Only a conversion to or from bfloat16, which numpy has no type for, is left to torch.
 """
 
 from __future__ import annotations
@@ -30,9 +35,26 @@ import numpy as np
 import torch
 
 from adapters_store.manifest import AdapterManifest
-from adapters_store.peft_weights import _KEY, LoraWeights, ModelShape, ModuleStack, _dims, parse_weights, targets_of
+from adapters_store.peft_weights import (
+    LORA_KEY,
+    LoraWeights,
+    ModelShape,
+    ModuleStack,
+    module_dims,
+    parse_weights,
+    targets_of,
+)
 
 _DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+_NUMPY = {torch.float16: np.float16, torch.float32: np.float32}
+# A value is NaN or ±Inf iff its exponent bits are all ones. Read as a signed integer such a
+# positive value is ≥ the exponent field, read as an unsigned one such a negative value is ≥
+# sign | field, and no finite value reaches either: two max-reductions, no temporary.
+_NONFINITE = {
+    torch.float16: (np.int16, np.uint16, 0x7C00, 0x8000),
+    torch.bfloat16: (np.int16, np.uint16, 0x7F80, 0x8000),
+    torch.float32: (np.int32, np.uint32, 0x7F800000, 0x80000000),
+}
 _MAX_HEADER = 100_000_000  # the safetensors library's limit
 _MAX_PLANS = 64
 
@@ -51,6 +73,25 @@ class Plan:
     numel: int  # elements in the data section
     stacks: dict[str, tuple[tuple[int, ...], View, View]]  # module → (layers in file order, A, Bt)
     where: dict[tuple[int, str], tuple[str, int]]  # (layer, module) → (module, index in its stack)
+
+
+def all_finite(data: np.ndarray, dtype: torch.dtype) -> bool:
+    """data: the raw bytes (uint8) of `dtype` values → no NaN and no ±Inf among them."""
+    signed, unsigned, field, sign = _NONFINITE[dtype]
+    if data.size == 0:
+        return True
+    return int(data.view(signed).max()) < field and int(data.view(unsigned).max()) < sign | field
+
+
+def copy_into(buf: torch.Tensor, data: np.ndarray, dtype: torch.dtype) -> None:
+    """buf (CPU, contiguous, its own dtype) ← data, the raw bytes of `dtype` values, converting
+    as torch does (round to nearest even; fp32 → fp16 overflows to ±Inf)."""
+    if buf.dtype == dtype:
+        np.copyto(buf.view(torch.uint8).numpy(), data)
+    elif buf.dtype in _NUMPY and dtype in _NUMPY:
+        np.copyto(buf.numpy(), data.view(_NUMPY[dtype]), casting="unsafe")
+    else:
+        buf.copy_(torch.from_numpy(data).view(dtype))
 
 
 class PackedPairs(Mapping):
@@ -141,7 +182,7 @@ def _stacks(spans, dtype, start, nbytes, shape: ModelShape, manifest: AdapterMan
     item, targets, rank = dtype.itemsize, targets_of(shape), manifest.rank
     found: dict[str, dict[int, dict[str, tuple[int, tuple[int, ...]]]]] = {}
     for begin, _, key, dims in spans:  # file order
-        m = _KEY.search(key)
+        m = LORA_KEY.search(key)
         if m is None or m.group(2) not in targets or int(m.group(1)) >= shape.num_layers:
             return None
         pair = found.setdefault(m.group(2), {}).setdefault(int(m.group(1)), {})
@@ -152,7 +193,7 @@ def _stacks(spans, dtype, start, nbytes, shape: ModelShape, manifest: AdapterMan
         return None
     stacks, where = {}, {}
     for module, layers in sorted(found.items(), key=lambda kv: min(kv[1])):
-        d_in, d_out = _dims(shape, module)
+        d_in, d_out = module_dims(shape, module)
         if any(set(p) != {"A", "B"} for p in layers.values()):
             return None
         if any(p["A"][1] != (rank, d_in) or p["B"][1] != (d_out, rank) for p in layers.values()):
@@ -210,11 +251,10 @@ class FastLoader:
         it). alloc(numel) → the host buffer in the serving dtype; None: parse only (library path)."""
         plan = self.plan(raw, manifest) if alloc is not None else None
         if plan is not None:
-            data = torch.from_numpy(raw[plan.data_start :]).view(plan.dtype)
-            lo, hi = torch.aminmax(data)
-            if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            data = raw[plan.data_start :]
+            if all_finite(data, plan.dtype):
                 buf = alloc(plan.numel)
-                buf.copy_(data)  # converting to the serving dtype; one pass, the GIL released
+                copy_into(buf, data, plan.dtype)
                 at = lambda v: buf.as_strided(v.size, v.stride, buf.storage_offset() + v.offset)  # noqa: E731
                 stacks = {m: ModuleStack(layers, at(a), at(bt)) for m, (layers, a, bt) in plan.stacks.items()}
                 return LoraWeights(name, version, manifest, PackedPairs(stacks, plan.where), buf, stacks)

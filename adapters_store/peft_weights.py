@@ -15,7 +15,7 @@ from safetensors.torch import load as load_safetensors
 from adapters_store.errors import InvalidAdapterError
 from adapters_store.manifest import AdapterManifest, read_manifest
 
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+LORA_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
@@ -71,7 +71,7 @@ def _group(state: dict[str, torch.Tensor], shape: ModelShape) -> dict:
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     targets = targets_of(shape)
     for key, tensor in state.items():
-        m = _KEY.search(key)
+        m = LORA_KEY.search(key)
         if m is None:
             raise InvalidAdapterError(f"unexpected tensor {key!r} (only LoRA A/B weights are served)")
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
@@ -83,7 +83,7 @@ def _group(state: dict[str, torch.Tensor], shape: ModelShape) -> dict:
     return pairs
 
 
-def _dims(shape: ModelShape, module: str) -> tuple[int, int]:
+def module_dims(shape: ModelShape, module: str) -> tuple[int, int]:
     if module in shape.fused:
         members = [shape.dims[m] for m in shape.fused[module]]
         return members[0][0], sum(d_out for _, d_out in members)
@@ -105,7 +105,7 @@ def _check_pair(where: tuple[int, str], pair: dict, rank: int, shape: ModelShape
     if set(pair) != {"A", "B"}:
         raise InvalidAdapterError(f"layer {where[0]} {where[1]}: missing lora_{'A' if 'A' not in pair else 'B'}")
     a, b = pair["A"], pair["B"]
-    d_in, d_out = _dims(shape, where[1])
+    d_in, d_out = module_dims(shape, where[1])
     if tuple(a.shape) != (rank, d_in) or tuple(b.shape) != (d_out, rank):
         raise InvalidAdapterError(
             f"layer {where[0]} {where[1]}: shapes A{tuple(a.shape)} B{tuple(b.shape)} do not fit the base "

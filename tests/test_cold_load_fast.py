@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adapters_store.errors import InvalidAdapterError, SourceChangedError
-from adapters_store.fast_load import FastLoader
+from adapters_store.fast_load import FastLoader, all_finite, copy_into
 from adapters_store.gpu_pool import LoraPool, PoolConfig
 from adapters_store.host_cache import HostCache, HostCacheConfig, pack
 from adapters_store.manifest import parse_manifest
@@ -106,6 +106,40 @@ def test_a_non_finite_value_anywhere_gets_the_library_refusal(bad, where):
     layer, m, ab = where.split(".")[1], where.split(".")[3], where[-1]
     with pytest.raises(InvalidAdapterError, match=f"layer {layer} {m}: lora_{ab} holds NaN or Inf"):
         _fast(_file(state, "name"))
+
+
+@pytest.mark.parametrize("dtype, bits", [(torch.float16, 16), (torch.bfloat16, 16), (torch.float32, 32)])
+def test_the_bit_test_for_nan_and_inf_agrees_with_torch_on_every_pattern(dtype, bits):
+    """Every 16-bit pattern, and for fp32 every exponent with random signs and mantissas (the
+    test is on the exponent field), one value at a time inside finite fresh random values."""
+    if bits == 16:
+        patterns = np.arange(2**16, dtype=np.uint16)
+    else:
+        rng = np.random.default_rng(1)
+        exps = np.repeat(np.arange(256, dtype=np.uint32), 64)
+        mant = rng.integers(0, 2**23, exps.size, dtype=np.uint32)
+        mant[::64] = 0  # ±Inf itself at the top exponent
+        patterns = (rng.integers(0, 2, exps.size, dtype=np.uint32) << 31) | (exps << 23) | mant
+    values = torch.from_numpy(patterns.view(np.int16 if bits == 16 else np.int32)).view(dtype)
+    expected = torch.isfinite(values.float() if dtype == torch.bfloat16 else values)
+    base = (torch.randn(1000, generator=torch.Generator().manual_seed(2)) * 0.1).to(dtype)
+    for k in np.random.default_rng(3).choice(values.numel(), 3000, replace=False).tolist() + [
+        int(i) for i in torch.nonzero(~expected).flatten()
+    ]:
+        base[517] = values[k]
+        raw = base.view(torch.uint8).numpy()
+        assert all_finite(raw, dtype) == bool(expected[k]), hex(int(patterns[k]))
+
+
+@pytest.mark.parametrize("src", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dst", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_copy_converts_as_torch_does(src, dst):
+    """Round to nearest even, and fp32 beyond fp16's range to ±Inf, bit for bit."""
+    x = torch.randn(4099, generator=torch.Generator().manual_seed(4), dtype=torch.float32) * 3000
+    x = x.to(src)
+    buf = torch.empty(x.numel(), dtype=dst)
+    copy_into(buf, x.view(torch.uint8).numpy(), src)
+    assert torch.equal(buf.view(torch.uint8), x.to(dst).view(torch.uint8))
 
 
 def _outcome(fn):

@@ -143,7 +143,7 @@ def test_the_ingress_reads_config_and_tokenizer_only(env, sharded, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from app.openai.ingress import _load_model_files
+    from app.openai.ingress import load_model_files
 
     words = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, 320)}}, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -154,7 +154,7 @@ def test_the_ingress_reads_config_and_tokenizer_only(env, sharded, tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(with_tokenizer)
     uri = upload(env, "ingress", "tiny", with_tokenizer)
 
-    tokenizer, config = _load_model_files(uri)
+    tokenizer, config = load_model_files(uri)
     assert tokenizer("w3 w14 w159")["input_ids"] == [3, 14, 159] and config.max_position_embeddings == 512
     assert object_requests(env, "ingress", "tiny", "GET", "tokenizer.json") == 1
     assert object_requests(env, "ingress", "tiny", "GET", "model-") == 0  # no weights

@@ -52,7 +52,7 @@ _PREPARE_THREADS = 4  # bodies parsed and tokenized at once; the rest queue with
 _READY_TIMEOUT_S = 5.0  # /health: a replica that cannot answer a stats call this fast is not serving
 
 
-def _load_model_files(model: str | None, tokenizer_loader=load_tokenizer):
+def load_model_files(model: str | None, tokenizer_loader=load_tokenizer):
     """The tokenizer and the model's config, from the same checkpoint the replicas load."""
     path = resolve_model(model, weights=False)
     return tokenizer_loader(path), AutoConfig.from_pretrained(str(path))
@@ -65,7 +65,7 @@ class Ingress:
         """replica, registry: handles to LoraReplica and AdapterRegistry; tokenizer_loader(path)
         → tokenizer: the seam tests use to hold a tokenization open (tests/app_fixtures.py)."""
         self.settings = settings
-        self.tokenizer, model_config = _load_model_files(settings.model, tokenizer_loader)
+        self.tokenizer, model_config = load_model_files(settings.model, tokenizer_loader)
         kv_tokens = settings.engine.num_kv_blocks * settings.engine.block_size
         self.context_limit = min(settings.engine.max_model_len or model_config.max_position_embeddings, kv_tokens)
         self.tool_support = ToolSupport.of(self.tokenizer, model_config.model_type, settings.tool_parser)
