@@ -5,11 +5,13 @@ B[m]: [layers, slots, max_rank, out]; ranks/scales: [slots]. An adapter used by 
 running request is pinned (refcount > 0) and never evicted; when every slot is
 pinned, ``acquire`` returns None and the request waits.
 
-On CUDA a load is asynchronous: one host→device copy of the adapter's packed
-(pinned) buffer on a side stream, then one device-side copy per matrix and module
-into the slot (adapters_store.host_cache.pack lays the buffer out for that); the
-engine keeps stepping other requests and admits the adapter's requests once
-``ready(slot)`` (the copy's event has completed).
+On CUDA a load is asynchronous, issued from the pool's copier thread: the adapter's
+packed host buffer is copied into one of two pinned staging buffers (allocated once,
+here: pinning memory later would stall every CUDA call of the process, see
+adapters_store/host_cache.py), then one host→device copy on a side stream and one
+device-side copy per matrix and module into the slot (adapters_store.host_cache.pack
+lays the buffer out for that); the engine keeps stepping other requests and admits the
+adapter's requests once ``ready(slot)`` (the copy's event has completed).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from adapters_store.host_cache import pack
@@ -82,6 +85,12 @@ class LoraPool:
         # loads are issued from their own thread: issuing one (a few dozen launches) would
         # otherwise lengthen the engine step that admits its request
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="lora-h2d") if cuda else None
+        # the copier's pinned staging buffers, each free again once its last copy's event has completed
+        self._staging = (
+            [torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)] if cuda else []
+        )
+        self._staged: list[torch.cuda.Event | None] = [None] * len(self._staging)
+        self._turn = 0  # the staging buffer the copier thread filled last
         self._pending: dict[int, tuple[Future, float, int]] = {}  # slot -> (copy, start time, bytes)
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
 
@@ -147,8 +156,8 @@ class LoraPool:
         return True
 
     def _load(self, slot: int, weights: LoraWeights) -> None:
-        if weights.stacks is None:  # not from the host cache: lay it out as the pool wants
-            weights = pack(weights, pin=False, dtype=self.config.dtype)
+        if weights.stacks is None or weights.buffer.dtype != self.config.dtype:  # lay it out as the pool wants
+            weights = pack(weights, dtype=self.config.dtype)
         r, scale = weights.manifest.rank, weights.manifest.scale
         self.slot_rank[slot], self.slot_scale[slot] = r, scale
         for m, has in self.has_module.items():
@@ -164,10 +173,11 @@ class LoraPool:
         self._pending[slot] = (self._copier.submit(self._copy, slot, weights, slot_free), start, weights.nbytes)
 
     def _copy(self, slot: int, weights: LoraWeights, slot_free: torch.cuda.Event):
-        """On the copier thread: (done event, the buffers to keep alive until done)."""
+        """On the copier thread: (done event, the device buffer to keep alive until done)."""
+        pinned, k = self._stage(weights.buffer)
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(slot_free)
-            staging = weights.buffer.to(self.config.device, non_blocking=True)  # the one host→device copy
+            staging = pinned.to(self.config.device, non_blocking=True)  # the one host→device copy
             on_device = lambda t: staging.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731
             self.fill(
                 slot,
@@ -177,9 +187,18 @@ class LoraPool:
             )
             done = torch.cuda.Event()
             done.record(self._copy_stream)
-        # the host buffer too: held until ready() sees the copy done, a reused buffer (host_cache.Spares)
-        # is never refilled while the DMA still reads it
-        return done, staging, weights.buffer
+        self._staged[k] = done
+        return done, staging
+
+    def _stage(self, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """buf (a whole host buffer, ≤ slot_bytes) copied into the next free pinned staging buffer;
+        buf itself is free again on return. numpy: one thread, the GIL released."""
+        k = self._turn = 1 - self._turn
+        if self._staged[k] is not None:
+            self._staged[k].synchronize()  # its previous host→device copy has read it
+        pinned = self._staging[k][: buf.nbytes]
+        np.copyto(pinned.numpy(), buf.view(torch.uint8).numpy())
+        return pinned.view(buf.dtype), k
 
     def _index(self, layers: tuple[int, ...]) -> torch.Tensor:
         """The layer numbers on the device, made once per layout (a few per deployment)."""

@@ -1,12 +1,15 @@
 """Parsed adapters in host memory, LRU by bytes under a budget, keyed by (name, version).
 
 Where CUDA is present (or a serving dtype other than fp32 is set) the tensors of
-each adapter are packed into one buffer — pinned on CUDA, in the serving dtype,
-laid out as the GPU pool's slots want it (see ``pack``) — so the pool's
-host→device copy is one truly asynchronous transfer. Eviction only drops the
-cache's reference: an adapter still held by a loader stays valid until released.
-The budget counts what is really held: a pinned buffer at torch's pinned block size
-(``pinned_bytes``), not at the bytes asked for.
+each adapter are packed into one buffer in the serving dtype, laid out as the GPU
+pool's slots want it (see ``pack``), so the pool's host→device copy is one transfer.
+Eviction only drops the cache's reference: an adapter still held by a loader stays
+valid until released. The budget counts the buffers' bytes.
+
+Buffers are never page-locked here: pinning memory (cudaHostAlloc) holds up every CUDA call of the
+process while it runs — on the H200 a thread pinning 128 MiB blocks (78 ms each) cut a GPU loop
+beside it from 119 to 3.9 iterations a second, so each cold load stalled the engine. The GPU pool
+stages its copies through two pinned buffers it allocates once (adapters_store/gpu_pool.py).
 """
 
 from __future__ import annotations
@@ -28,21 +31,20 @@ AdapterKey = tuple[str, str]  # (name, version)
 @dataclass(frozen=True)
 class HostCacheConfig:
     budget_bytes: int = 8 << 30
-    pin_memory: bool | None = None  # None: pin when CUDA is available
     # the serving dtype: staged once here, so host memory and every host→GPU copy carry
     # half the bytes of fp32 (rounding here or on the GPU gives the same values)
     dtype: torch.dtype = torch.float32
 
 
-def pack(weights: LoraWeights, pin: bool, dtype: torch.dtype = torch.float32) -> LoraWeights:
-    """The same adapter in one contiguous (pinned) ``dtype`` buffer: per module, every
+def pack(weights: LoraWeights, dtype: torch.dtype = torch.float32) -> LoraWeights:
+    """The same adapter in one contiguous ``dtype`` buffer: per module, every
     layer's A, then every layer's B transposed ([rank, out], the GPU pool's layout).
     Each matrix is copied (and converted) straight into its place: no temporary."""
     by_module: dict[str, list[int]] = {}
     for layer, m in sorted(weights.tensors):
         by_module.setdefault(m, []).append(layer)
     total = sum(a.numel() + b.numel() for a, b in weights.tensors.values())
-    flat = torch.empty(total, dtype=dtype, pin_memory=pin)
+    flat = torch.empty(total, dtype=dtype)
     offset, stacks, tensors = 0, {}, {}
 
     def block(matrices: list[torch.Tensor]) -> torch.Tensor:
@@ -62,23 +64,6 @@ def pack(weights: LoraWeights, pin: bool, dtype: torch.dtype = torch.float32) ->
     return replace(weights, tensors=tensors, buffer=flat, stacks=stacks)
 
 
-def pinned_bytes(nbytes: int) -> int:
-    """What torch's CachingHostAllocator page-locks for a pinned request of nbytes: the next power
-    of two (ATen/core/CachingHostAllocator.h, pinned_max_round_threshold unset), e.g. 128 MiB for a
-    Llama-2-7B rank-16 fp16 adapter of 76.25 MiB. A freed block goes back to its free list and is
-    reused for the next request of that size once the copies recorded on it are done; so an evicted
-    adapter's buffer, once nothing holds it, is the next cold load's without a new cudaHostAlloc."""
-    return 1 << (nbytes - 1).bit_length() if nbytes > 1 else nbytes
-
-
-def held_bytes(weights: LoraWeights) -> int:
-    """The host memory this adapter really holds (what the budget counts)."""
-    buf = weights.buffer
-    if buf is not None and buf.is_pinned():
-        return pinned_bytes(buf.untyped_storage().nbytes())
-    return weights.nbytes
-
-
 def _holders(buf: torch.Tensor) -> int:
     """Tensors sharing buf's storage, buf included (every view holds a reference to it); a torch
     without the count says "held" (no reuse, never a buffer refilled under a reader)."""
@@ -88,10 +73,9 @@ def _holders(buf: torch.Tensor) -> int:
 
 class Spares:
     """Buffers of adapters the cache let go, handed to the next cold load of the same size once
-    nothing else holds them: no request still using the adapter, no host→GPU copy in flight (the
-    GPU pool keeps the buffer until its copy's event has completed). Reuse spares each cold load
-    a fresh 80 MB allocation: a pinned one goes through torch's host allocator (its lock, and
-    cudaHostAlloc until its free lists are warm), an unpinned one page-faults all its pages again.
+    nothing else holds them: no request still using the adapter, no copy into the GPU pool's
+    staging buffer in flight (the pool's copier holds the adapter until then). Reuse spares each
+    cold load a fresh 80 MB allocation, whose pages all fault again.
     At most ``keep`` are kept (oldest dropped): memory beyond the budget by that much at most."""
 
     def __init__(self, keep: int):
@@ -106,10 +90,10 @@ class Spares:
             self._bufs.append(buf)
             del self._bufs[: -self.keep or len(self._bufs)]
 
-    def take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor | None:
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         with self._lock:
             for i, buf in enumerate(self._bufs):
-                if buf.numel() == numel and buf.dtype == dtype and buf.is_pinned() == pin and _holders(buf) == 1:
+                if buf.numel() == numel and buf.dtype == dtype and _holders(buf) == 1:
                     self.reused += 1
                     return self._bufs.pop(i)
         return None
@@ -122,11 +106,11 @@ class HostCache:
         """spares: evicted buffers kept for reuse (about the loads in flight: see Spares)."""
         self.config = config
         self.spares = Spares(spares)
-        self.pin = torch.cuda.is_available() if config.pin_memory is None else config.pin_memory
+        self.contiguous = torch.cuda.is_available()  # the pool's one host→device copy wants one buffer
         self._on_evict = on_evict
         self._lock = threading.Lock()
         self._entries: OrderedDict[AdapterKey, LoraWeights] = OrderedDict()  # LRU, oldest first
-        self.nbytes = 0  # host bytes held by the entries (held_bytes): pinned blocks at their real size
+        self.nbytes = 0  # host bytes held by the entries
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -136,12 +120,10 @@ class HostCache:
             return list(self._entries)
 
     def alloc(self, numel: int) -> torch.Tensor:
-        """A host buffer for one adapter in the serving dtype (pinned where configured). torch's pinned
-        allocator keeps freed blocks by size and hands them to the next request of that size once
-        the copies recorded on them are done: after warm-up an evicted adapter's block is reused
-        without a new cudaHostAlloc; a spare (an evicted adapter's buffer nothing holds) skips even that."""
-        spare = self.spares.take(numel, self.config.dtype, self.pin)
-        return spare if spare is not None else torch.empty(numel, dtype=self.config.dtype, pin_memory=self.pin)
+        """A host buffer for one adapter in the serving dtype: a spare (an evicted adapter's buffer
+        that nothing holds) if one has the size, else a new one."""
+        spare = self.spares.take(numel, self.config.dtype)
+        return spare if spare is not None else torch.empty(numel, dtype=self.config.dtype)
 
     def get(self, key: AdapterKey) -> LoraWeights | None:
         with self._lock:
@@ -153,16 +135,12 @@ class HostCache:
     def put(self, weights: LoraWeights) -> LoraWeights:
         """Cache weights (packed/pinned if configured) and return what callers should use."""
         key = (weights.name, weights.version)
-        packed = (
-            weights.buffer is not None
-            and weights.buffer.dtype == self.config.dtype
-            and (not self.pin or weights.buffer.is_pinned())
-        )
+        packed = weights.buffer is not None and weights.buffer.dtype == self.config.dtype
         # parsed tensors keep the file's dtype (fp16 of an fp16 file): the cache holds the serving dtype
         foreign = lambda: any(t.dtype != self.config.dtype for pair in weights.tensors.values() for t in pair)  # noqa: E731
-        if not packed and (self.pin or self.config.dtype != torch.float32 or foreign()):
-            weights = pack(weights, pin=self.pin, dtype=self.config.dtype)
-        cost = held_bytes(weights)
+        if not packed and (self.contiguous or self.config.dtype != torch.float32 or foreign()):
+            weights = pack(weights, dtype=self.config.dtype)
+        cost = weights.nbytes
         if cost > self.config.budget_bytes:
             log.warning("adapter %s (%d bytes) exceeds the host cache budget: served uncached", key, cost)
             return weights
@@ -175,7 +153,7 @@ class HostCache:
                 self.nbytes += cost
                 while self.nbytes > self.config.budget_bytes:
                     old_key, old = self._entries.popitem(last=False)
-                    self.nbytes -= held_bytes(old)
+                    self.nbytes -= old.nbytes
                     evicted.append((old_key, old.buffer))
         if kept is not weights:
             self.spares.give(weights.buffer)
@@ -188,6 +166,6 @@ class HostCache:
         """Forget every version of an adapter (it was unregistered)."""
         with self._lock:
             dropped = [self._entries.pop(key) for key in [k for k in self._entries if k[0] == name]]
-            self.nbytes -= sum(held_bytes(w) for w in dropped)
+            self.nbytes -= sum(w.nbytes for w in dropped)
         for weights in dropped:
             self.spares.give(weights.buffer)

@@ -38,7 +38,7 @@ from adapters_store.errors import (
 )
 from adapters_store.fast_load import FastLoader
 from adapters_store.gpu_pool import adapter_bytes
-from adapters_store.host_cache import HostCache, HostCacheConfig, pinned_bytes
+from adapters_store.host_cache import HostCache, HostCacheConfig
 from adapters_store.manifest import parse_manifest
 from adapters_store.metrics import StoreMetrics
 from adapters_store.paths import NAME, S3Uri, check_name, parse_uri
@@ -63,12 +63,11 @@ class StoreConfig:
 
 def check_budgets(shape: ModelShape, config: StoreConfig) -> None:
     """Refuse, by name, a host or disk budget that cannot hold one adapter of the largest rank."""
-    pin = torch.cuda.is_available() if config.host.pin_memory is None else config.host.pin_memory
-    for what, budget, dtype, held in (
-        ("adapter_cache.host_gb", config.host.budget_bytes, config.host.dtype, pinned_bytes if pin else int),
-        ("adapter_cache.disk_gb", config.disk.budget_bytes, torch.float32, int),
-    ):  # files: fp32; a pinned buffer holds torch's whole pinned block
-        largest = held(adapter_bytes(shape, config.max_rank, dtype))
+    for what, budget, dtype in (
+        ("adapter_cache.host_gb", config.host.budget_bytes, config.host.dtype),
+        ("adapter_cache.disk_gb", config.disk.budget_bytes, torch.float32),  # files: fp32 at most
+    ):
+        largest = adapter_bytes(shape, config.max_rank, dtype)
         if budget < largest:
             raise ValueError(
                 f"{what} ({budget} bytes) holds no adapter: one of rank {config.max_rank} on "

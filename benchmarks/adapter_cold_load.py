@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from adapters_store.gpu_pool import LoraPool, PoolConfig  # noqa: E402
-from adapters_store.host_cache import HostCache, HostCacheConfig, pinned_bytes  # noqa: E402
+from adapters_store.host_cache import HostCache, HostCacheConfig  # noqa: E402
 from adapters_store.manifest import parse_manifest  # noqa: E402
 from adapters_store.sources import Staging  # noqa: E402
 from adapters_store.store import StoreConfig  # noqa: E402
@@ -92,9 +92,9 @@ def engine_loop(stop: threading.Event, count: list[int]) -> None:
         count[0] += 1
 
 
-def rate(shape, slab: Slab, flight: int, n: int, engine: bool, pin: bool) -> dict:
+def rate(shape, slab: Slab, flight: int, n: int, engine: bool) -> dict:
     # room for 8: the steady state of a large adapter set, each load evicting (and reusing) one
-    host = HostCacheConfig(budget_bytes=8 * pinned_bytes(slab.nbytes), pin_memory=pin, dtype=DTYPE)
+    host = HostCacheConfig(budget_bytes=8 * slab.nbytes, dtype=DTYPE)
     store = StandInStore(shape, StoreConfig(max_rank=RANK, host=host, workers=flight), slab)
     stop, count = threading.Event(), [0]
     thread = threading.Thread(target=engine_loop, args=(stop, count)) if engine else None
@@ -126,7 +126,7 @@ def main():
     cuda = torch.cuda.is_available()
     cfg = llama7b()
     slab = Slab(cfg, a.slab_gb, "cuda" if cuda else "cpu")
-    host = HostCacheConfig(budget_bytes=4 * slab.nbytes, pin_memory=cuda, dtype=DTYPE)
+    host = HostCacheConfig(budget_bytes=4 * slab.nbytes, dtype=DTYPE)
     store = StandInStore(cfg.shape, StoreConfig(max_rank=RANK, host=host), slab)
     store.host = HostCache(host)
     pool = LoraPool(cfg.shape, PoolConfig(2, RANK, DTYPE, "cuda" if cuda else "cpu"))
@@ -140,8 +140,8 @@ def main():
     engine_loop(stop, count)
     print(json.dumps({"engine_alone_its": round(count[0] / (time.perf_counter() - start))}))
     for flight in a.flight:
-        alone = rate(cfg.shape, slab, flight, a.loads, False, cuda)
-        beside = rate(cfg.shape, slab, flight, a.loads, True, cuda)
+        alone = rate(cfg.shape, slab, flight, a.loads, False)
+        beside = rate(cfg.shape, slab, flight, a.loads, True)
         print(json.dumps({"in_flight": flight, "alone": alone, "beside_engine": beside}), flush=True)
 
 

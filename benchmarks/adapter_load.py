@@ -78,8 +78,9 @@ def random_adapter(cfg: ModelConfig) -> LoraWeights:
         for layer in range(cfg.num_layers)
         for m, (d_in, d_out) in cfg.module_dims.items()
     }
-    # the host cache's layout: one pinned buffer per adapter, in the serving dtype
-    return pack(LoraWeights("proto", "v0", AdapterManifest(RANK, 32.0, False, None), tensors), pin=True, dtype=DTYPE)
+    # the host cache's layout: one (pageable) buffer per adapter, in the serving dtype; the pool
+    # stages it through its pinned buffers
+    return pack(LoraWeights("proto", "v0", AdapterManifest(RANK, 32.0, False, None), tensors), dtype=DTYPE)
 
 
 class Adapters:

@@ -8,7 +8,7 @@ throughput, TTFT p50/p99, loads per second, the longest wait. About 3 minutes on
 Adapters enter through the product's own path: an AdapterStore with an on-demand root
 (``adapter_source``), so every name is resolved on first use, single-flight, its content
 version asked of the source on each cold load, its safetensors parsed and validated (shapes,
-finite values, rank) and packed into the pinned host LRU (``adapter_cache.host_gb``,
+finite values, rank) and packed into the host LRU (``adapter_cache.host_gb``,
 ``adapter_cache.workers``) exactly as in serving (adapters_store/fast_load.py: a handful
 of ops per load, the file read into a reused buffer, evicted host buffers reused). Only the
 bytes come from a stand-in (``SlabSource``, plugged in by overriding ``AdapterStore._source``,
@@ -19,7 +19,7 @@ the sha256 of its name, so no two adapters hold the same content. Making one is 
 It stands in for a local NVMe / page-cache tier at the rate it sustains (measured in this run,
 ``source_rate``, beside the trace's demand ``demand``): not S3 over a network, not the disk
 cache's verification, whose rates are not measured here. ``host_tier_rate`` is the product's
-cold-load rate (source + parse + validation + pinned pack) on its loader threads.
+cold-load rate (source + parse + validation + pack) on its loader threads.
 --source-gbps holds each read to a bandwidth, one stream of a slower tier.
 A request is added to the engine once its adapter is in host memory (as AsyncEngine does,
 off the engine thread); its TTFT runs from its Poisson arrival, so host loads count. A replay
@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from adapters_store.gpu_pool import LoraPool, PoolConfig  # noqa: E402
-from adapters_store.host_cache import HostCacheConfig, pinned_bytes  # noqa: E402
+from adapters_store.host_cache import HostCacheConfig  # noqa: E402
 from adapters_store.sources import Staging  # noqa: E402
 from adapters_store.store import StoreConfig  # noqa: E402
 from app.engine.config import EngineConfig  # noqa: E402
@@ -161,8 +161,9 @@ def replay(
 
 def request_rate(engine: EngineCore, names, batch: int, max_tokens: int, n: int) -> float:
     """Requests per second with `batch` requests always in flight (a closed loop, adapters
-    resident, prefill steps included): Poisson arrivals at this rate hold that batch on average
-    (Little's law), and the engine can run past it (max_num_seqs is twice the batch)."""
+    resident, prefill steps included). Poisson arrivals at this rate are at the engine's capacity
+    for that batch: bursts grow the batch, which slows the step (at 1.0 the replay ran at a mean
+    batch of 60); the trace runs at --load times it (mean batch reported)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     started = finished = 0
     while started < batch:
@@ -185,7 +186,7 @@ def request_rate(engine: EngineCore, names, batch: int, max_tokens: int, n: int)
 def rates(store: StandInStore, shape, slab: Slab, workers: int, n: int) -> dict:
     """Sustained rates, measured after the replays on names no replay used: the stand-in alone
     (``workers`` threads building adapter files), then the product's cold load through a fresh
-    store (source + parse + validation + pinned pack), both over n adapters."""
+    store (source + parse + validation + pack), both over n adapters."""
     names, staging = [f"probe{k}" for k in range(n)], Staging()
     read = lambda name: SlabSource(slab, name, store.gbps).read_into(None, staging.get)[0].nbytes  # noqa: E731
     start = time.perf_counter()
@@ -193,7 +194,7 @@ def rates(store: StandInStore, shape, slab: Slab, workers: int, n: int) -> dict:
         nbytes = sum(pool.map(read, names))
     source_s = time.perf_counter() - start
     # the trace's steady state: room for half the probes, the later half each evicting one (whose buffer it reuses)
-    host = replace(store.config.host, budget_bytes=max(1, n // 2) * pinned_bytes(nbytes // n))
+    host = replace(store.config.host, budget_bytes=max(1, n // 2) * (nbytes // n))
     probe = StandInStore(shape, replace(store.config, host=host), slab, store.gbps)
     start = time.perf_counter()
     futures = [probe.prefetch(name) for name in names]
@@ -219,6 +220,7 @@ def main():
     ap.add_argument("--slab-gb", type=float, default=4.0, help="random fp16 the adapters' bytes are cut from")
     ap.add_argument("--source-gbps", type=float, default=None, help="hold each adapter's read to this bandwidth")
     ap.add_argument("--max-replay-s", type=float, default=90.0, help="cut a replay still running after this")
+    ap.add_argument("--load", type=float, default=0.85, help="arrivals: this fraction of the closed loop's rate")
     ap.add_argument("--warmup-s", type=float, default=5.0, help="steady-state TTFTs: requests arriving after this")
     ap.add_argument("--probe", type=int, default=64, help="adapters per rate measurement")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small trace: plumbing only")
@@ -252,7 +254,7 @@ def main():
         engine.add(GenerateRequest(f"warm{k}", (1, 2, 3), warm, resident(k)))
     while engine.has_work():
         engine.step()
-    rate = request_rate(engine, resident, a.batch, a.max_tokens, 8 * a.batch)
+    rate = a.load * request_rate(engine, resident, a.batch, a.max_tokens, 8 * a.batch)
     requests = trace(a.requests, a.adapters, rate, cfg.vocab_size)
     need = demand(requests, len(slab.prefix) + slab.nbytes)
     print(json.dumps({"arrivals_per_s": round(rate, 1), "demand": need}))
@@ -273,7 +275,7 @@ def main():
         "arrivals_per_s": round(rate, 1),
         "demand": need,
         **rates(store, cfg.shape, slab, a.workers, a.probe),
-        "host_load_ms_mean": round(mean_load_s * 1e3, 1),  # one cold load (source to pinned host) while replaying
+        "host_load_ms_mean": round(mean_load_s * 1e3, 1),  # one cold load (source to host tier) while replaying
         # loads that left the fast path (fast_load.py) for the library's, and host buffers reused
         "cold_load": {"library_path": store.fast.fallbacks, "buffers_reused": store.host.spares.reused},
         "host_tiers": store.tiers(pool),
@@ -294,8 +296,9 @@ def main():
         "adapters": f"{a.adapters} distinct, rank {RANK}, all 7 projections ({slab.nbytes / 1e6:.0f} MB each)",
         "slots": a.slots,
         "batch": a.batch,
-        "trace": f"{a.requests} requests, Zipf({ZIPF}), Poisson, prompt 64, {a.max_tokens} output tokens",
-        "source": f"AdapterStore on demand, {a.workers} loader threads, {a.host_gb} GiB pinned host LRU; bytes cut "
+        "trace": f"{a.requests} requests, Zipf({ZIPF}), Poisson at {a.load}x the batch-{a.batch} closed loop's rate, "
+        f"prompt 64, {a.max_tokens} output tokens; steady: arrivals after {a.warmup_s} s",
+        "source": f"AdapterStore on demand, {a.workers} loader threads, {a.host_gb} GiB host LRU; bytes cut "
         f"from a {a.slab_gb} GiB random fp16 slab by memcpy"
         + (f", each read held to {a.source_gbps} GB/s" if a.source_gbps else "")
         + ": stands in for a local NVMe tier at source_rate, not S3",

@@ -5,7 +5,7 @@
 offset of its own, its first STAMP values set from the sha256 of its name (no two adapters hold
 the same content); making one is one memcpy. ``StandInStore`` is the product's AdapterStore with
 only ``_source`` overridden: resolution on demand, single flight, the version asked of the
-source on each cold load, parse and validation, the pinned host LRU all run as in serving.
+source on each cold load, parse and validation, the host LRU all run as in serving.
 """
 
 from __future__ import annotations

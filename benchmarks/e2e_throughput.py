@@ -122,7 +122,7 @@ def adapters(cfg, names: int, rank=16, distinct=8):
             for m, (d_in, d_out) in cfg.module_dims.items()
         }
         w = LoraWeights(f"w{k}", "1", AdapterManifest(rank, 2.0 * rank, False, MODULES), tensors)
-        sets.append(pack(w, pin=torch.cuda.is_available(), dtype=torch.float16))
+        sets.append(pack(w, dtype=torch.float16))
     return [dataclasses.replace(sets[k % len(sets)], name=f"a{k}") for k in range(names)]
 
 

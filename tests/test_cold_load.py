@@ -1,9 +1,8 @@
 """The cold-load path (bytes → parsed, validated weights → packed host buffer) after it stopped
 making fp32 copies, hashing the blob and stacking temporaries: the same refusals, bit-identical
-packed values for every source dtype, the caller's content version, and host bytes counted as
-really held (a pinned buffer at torch's pinned block size)."""
+packed values for every source dtype, the caller's content version, and host bytes counted
+exactly through evictions."""
 
-import gc
 import hashlib
 import json
 
@@ -12,7 +11,7 @@ import torch
 from safetensors.torch import save
 
 from adapters_store.errors import InvalidAdapterError
-from adapters_store.host_cache import HostCache, HostCacheConfig, held_bytes, pack, pinned_bytes
+from adapters_store.host_cache import HostCache, HostCacheConfig, pack
 from adapters_store.manifest import parse_manifest
 from adapters_store.peft_weights import load_local, parse_weights
 from adapters_store.sources import LocalSource
@@ -68,7 +67,7 @@ def test_packed_values_are_bit_identical_to_the_fp32_round_trip(src, dst):
     w = parse_weights("a", _manifest(), blob, TINY_SHAPE, "v1")
     kept = src if src != torch.float64 else torch.float32
     assert all(t.dtype == kept for pair in w.tensors.values() for t in pair)  # no fp32 copy of a half file
-    packed = pack(w, pin=False, dtype=dst)
+    packed = pack(w, dtype=dst)
     assert packed.buffer.dtype == dst and packed.buffer.numel() * dst.itemsize == packed.nbytes
     for (layer, m), (a, b) in packed.tensors.items():
         group = "mlp" if m == "down_proj" else "self_attn"
@@ -101,52 +100,23 @@ def test_every_path_keeps_a_content_version(tmp_path):
         store.close()
 
 
-def test_pinned_block_sizes():
-    mib = 1 << 20
-    # Llama-2-7B, rank 16, fp16, all seven projections: 76.25 MiB asked, a 128 MiB block pinned
-    assert pinned_bytes(32 * 16 * (4 * 8192 + 2 * 15104 + 15104) * 2) == 128 * mib
-    assert [pinned_bytes(n) for n in (0, 1, 2, 3, 4096, 4097)] == [0, 1, 2, 4, 4096, 8192]
-
-
-def test_unpinned_accounting_stays_exact_through_evictions():
-    cache = HostCache(HostCacheConfig(budget_bytes=1 << 30, pin_memory=False, dtype=torch.float16))
+def test_accounting_stays_exact_through_evictions():
+    cache = HostCache(HostCacheConfig(budget_bytes=1 << 30, dtype=torch.float16))
     sizes = []
     for i in range(4):
         blob, _ = _blob(torch.float16, rank=1 + i)
         w = cache.put(parse_weights(f"a{i}", _manifest(1 + i), blob, TINY_SHAPE, "v"))
-        sizes.append(held_bytes(w))
-        assert held_bytes(w) == w.nbytes == w.buffer.untyped_storage().nbytes()
+        sizes.append(w.nbytes)
+        assert w.nbytes == w.buffer.untyped_storage().nbytes()
     assert cache.nbytes == sum(sizes)
     cache.drop_name("a1")
     assert cache.nbytes == sum(sizes) - sizes[1]
 
 
-@pytest.mark.gpu
-def test_pinned_buffers_are_counted_whole_and_reused_after_eviction():
-    """On CUDA: an entry is charged torch's whole pinned block; an evicted adapter's block, once
-    nothing holds it, is the next same-size adapter's (no new cudaHostAlloc), and it then holds
-    exactly the new adapter's values."""
-    manifest = _manifest(3)  # a size no other test pins: the freed block is the only one of its class
-    blobs = [_blob(torch.float16, rank=3, seed=s) for s in range(3)]
-    first = parse_weights("a0", manifest, blobs[0][0], TINY_SHAPE, "v")
-    block = pinned_bytes(pack(first, pin=True, dtype=torch.float16).buffer.untyped_storage().nbytes())
-    cache = HostCache(HostCacheConfig(budget_bytes=block, pin_memory=True, dtype=torch.float16))
-    ptr0 = cache.put(first).buffer.data_ptr()
-    assert cache.nbytes == block and block > first.nbytes // 2
-    del first
-    cache.put(parse_weights("a1", manifest, blobs[1][0], TINY_SHAPE, "v"))  # evicts a0
-    gc.collect()
-    assert cache.keys() == [("a1", "v")] and cache.nbytes == block
-    third = cache.put(parse_weights("a2", manifest, blobs[2][0], TINY_SHAPE, "v"))  # evicts a1
-    assert third.buffer.is_pinned() and third.buffer.data_ptr() == ptr0  # a0's block again
-    want = pack(parse_weights("a2", manifest, blobs[2][0], TINY_SHAPE, "v"), pin=False, dtype=torch.float16)
-    assert torch.equal(third.buffer, want.buffer)
-
-
 def test_the_host_cache_holds_the_serving_dtype_of_a_half_file():
     """Parsing keeps an fp16 file in fp16; a cache serving fp32 (the CPU's) still holds fp32."""
     blob, state = _blob(torch.float16)
-    cache = HostCache(HostCacheConfig(budget_bytes=1 << 30, pin_memory=False, dtype=torch.float32))
+    cache = HostCache(HostCacheConfig(budget_bytes=1 << 30, dtype=torch.float32))
     held = cache.put(parse_weights("a", _manifest(), blob, TINY_SHAPE, "v"))
     assert held.buffer is not None and held.buffer.dtype == torch.float32 and cache.nbytes == held.nbytes
     a = state["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]

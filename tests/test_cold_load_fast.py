@@ -78,7 +78,7 @@ def test_the_fast_path_gives_the_library_paths_values_and_slots(src, dst, order)
     raw = _file(state, order)
     fast, loader = _fast(raw, dst)
     assert loader.fallbacks == 0 and fast.buffer.dtype == dst
-    slow = pack(parse_weights("a", _manifest(), raw.tobytes(), SHAPE, "v1"), pin=False, dtype=dst)
+    slow = pack(parse_weights("a", _manifest(), raw.tobytes(), SHAPE, "v1"), dtype=dst)
     _same(fast, slow)
     assert fast.nbytes == slow.nbytes
     pools = [LoraPool(SHAPE, PoolConfig(2, 8, dst)) for _ in range(2)]
@@ -93,7 +93,7 @@ def test_some_layers_only_and_one_layer_take_the_fast_path():
         raw = _file(_state(torch.float32, layers), "name")
         fast, loader = _fast(raw)
         assert loader.fallbacks == 0 and {k[0] for k in fast.tensors} == set(layers)
-        _same(fast, pack(parse_weights("a", _manifest(), raw.tobytes(), SHAPE, "v1"), pin=False, dtype=torch.float16))
+        _same(fast, pack(parse_weights("a", _manifest(), raw.tobytes(), SHAPE, "v1"), dtype=torch.float16))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -217,7 +217,7 @@ def test_a_malformed_file_has_the_library_paths_outcome(edit):
     """The fast path never accepts what the safetensors library refuses: an edited header either
     loads the same values both ways or is refused with the library path's own message."""
     raw = _file(_state(torch.float16), "name", header_edit=edit)
-    slow = _outcome(lambda: pack(parse_weights("a", _manifest(), raw.tobytes(), SHAPE, "v"), False, torch.float16))
+    slow = _outcome(lambda: pack(parse_weights("a", _manifest(), raw.tobytes(), SHAPE, "v"), torch.float16))
     fast = _outcome(lambda: _fast(raw)[0])
     assert fast[0] == slow[0]
     if fast[0] == "ok":
@@ -246,7 +246,7 @@ def test_weights_never_alias_the_reused_staging_buffer(tmp_path):
         loaded.append(loader.load(d.name, man, raw, snap.version, lambda n: torch.empty(n)))
     assert loader.fallbacks == 0
     for d, w in zip(dirs, loaded):  # the first still holds its own values after the second's read
-        _same(w, pack(load_local(d.name, d, 16, SHAPE), pin=False, dtype=torch.float32))
+        _same(w, pack(load_local(d.name, d, 16, SHAPE), dtype=torch.float32))
 
 
 def test_a_file_changed_between_snapshot_and_read_is_refused(tmp_path):
@@ -259,7 +259,7 @@ def test_a_file_changed_between_snapshot_and_read_is_refused(tmp_path):
 
 
 def test_an_evicted_buffer_is_reused_only_once_nothing_holds_it():
-    cache = HostCache(HostCacheConfig(budget_bytes=1, pin_memory=False, dtype=torch.float16))
+    cache = HostCache(HostCacheConfig(budget_bytes=1, dtype=torch.float16))
     cache.config = HostCacheConfig(budget_bytes=_fast(_file(_state(torch.float16)))[0].nbytes, dtype=torch.float16)
     load = lambda seed: cache.put(  # noqa: E731
         FastLoader(SHAPE).load(f"a{seed}", _manifest(), _file(_state(torch.float16, seed=seed)), "v", cache.alloc)
@@ -277,11 +277,11 @@ def test_an_evicted_buffer_is_reused_only_once_nothing_holds_it():
 
 def test_the_store_loads_through_the_fast_path(tmp_path):
     d = write_adapter(tmp_path / "root" / "a", SHAPE, rank=RANK, targets=TARGETS, seed=3)
-    host = HostCacheConfig(budget_bytes=1 << 20, pin_memory=False, dtype=torch.float16)
+    host = HostCacheConfig(budget_bytes=1 << 20, dtype=torch.float16)
     store = AdapterStore(SHAPE, StoreConfig(max_rank=16, host=host, default_root=str(tmp_path / "root")))
     try:
         w = store.get("a")
         assert store.fast.fallbacks == 0 and w.buffer.dtype == torch.float16
-        _same(w, pack(load_local("a", d, 16, SHAPE), pin=False, dtype=torch.float16))
+        _same(w, pack(load_local("a", d, 16, SHAPE), dtype=torch.float16))
     finally:
         store.close()

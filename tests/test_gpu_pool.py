@@ -2,7 +2,7 @@
 running request's adapter is never evicted; all slots pinned → the request waits), slot
 contents equal the adapter's weights (also for adapters on a subset of layers and in a
 narrower dtype), and on CUDA the asynchronous load never overwrites a slot that steps
-already queued may still read."""
+already queued may still read, nor a staging buffer a copy still reads."""
 
 import dataclasses
 
@@ -53,7 +53,7 @@ def test_slots_hold_the_adapters_weights(dtype):
     ws = [
         adapter("full", 16, seed=1),
         adapter("partial", 4, ("v_proj", "gate_proj"), layers=[0, 2], seed=2),
-        pack(adapter("packed", 8, seed=3), pin=False, dtype=torch.bfloat16),
+        pack(adapter("packed", 8, seed=3), dtype=torch.bfloat16),
     ]
     slots = [pool.acquire(w) for w in ws]
     assert sorted(slots) == [0, 1, 2]
@@ -83,7 +83,7 @@ def test_lru_with_reference_counts_never_evicts_a_running_adapter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_async_load_waits_for_queued_steps_then_fills_the_slot():
     pool = LoraPool(SHAPE, PoolConfig(num_slots=2, max_rank=16, dtype=torch.float16, device="cuda"))
-    w = pack(adapter("a", 16, seed=5), pin=True, dtype=torch.float16)
+    w = pack(adapter("a", 16, seed=5), dtype=torch.float16)
     before = [t.clone() for t in (*pool.A.values(), *pool.B.values())]
     torch.cuda._sleep(500_000_000)  # a long step already queued on the compute stream (~0.3 s)...
     seen = [t.clone() for t in (*pool.A.values(), *pool.B.values())]  # ...that reads every slot after it
@@ -95,3 +95,21 @@ def test_async_load_waits_for_queued_steps_then_fills_the_slot():
     # not would land during the sleep). No clock: a host stalled past the sleep only delays the copy
     assert all(torch.equal(a, b) for a, b in zip(seen, before))
     assert_in_slot(pool, slot, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_loads_in_a_row_go_through_the_two_staging_buffers_exactly():
+    """Five adapters acquired back to back while the device is busy (their host buffers pageable,
+    as the host tier keeps them), so the copier must wrap around its two staging buffers while
+    the first copies still wait: every slot holds its own adapter, so no staging buffer was
+    refilled while a copy still had to read it."""
+    pool = LoraPool(SHAPE, PoolConfig(num_slots=5, max_rank=16, dtype=torch.float16, device="cuda"))
+    ws = [pack(adapter(f"a{k}", 16 - 2 * k, seed=10 + k), dtype=torch.float16) for k in range(5)]
+    assert not any(w.buffer.is_pinned() for w in ws)
+    torch.cuda._sleep(200_000_000)  # copies queue behind a busy device, as beside a running step
+    slots = [pool.acquire(w) for w in ws]
+    while not all(pool.ready(s) for s in slots):
+        pass
+    for w, slot in zip(ws, slots):
+        assert_in_slot(pool, slot, w)

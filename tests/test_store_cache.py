@@ -1,6 +1,6 @@
 """The store's tiers under load: 200 adapters through a host cache of 20 (LRU, no leak, every
 result right), single flight (50 concurrent first requests → one download), disk budget,
-crash safety of the disk cache, pinned packing, and metrics."""
+crash safety of the disk cache, packing, and metrics."""
 
 import asyncio
 import gc
@@ -17,7 +17,7 @@ import pytest
 
 from adapters_store.disk_cache import DiskCache, DiskCacheConfig, ObjectInfo, VerifyingSink
 from adapters_store.errors import AdapterFetchError, SourceResponseError
-from adapters_store.host_cache import HostCache, HostCacheConfig, pack
+from adapters_store.host_cache import HostCacheConfig, pack
 from adapters_store.metrics import Progress, StoreMetrics
 from adapters_store.peft_weights import load_local
 from adapters_store.store import AdapterStore, StoreConfig
@@ -184,7 +184,7 @@ def test_a_crash_mid_download_never_serves_a_partial_file(tmp_path):
 
 def test_pack_makes_one_buffer_with_equal_views(tmp_path, shape):
     w = load_local("a", write_adapter(tmp_path / "a", shape, targets=("q_proj", "down_proj")), 16, shape)
-    packed = pack(w, pin=False)
+    packed = pack(w)
     assert_same_weights(packed, w)
     storages = {t.untyped_storage().data_ptr() for pair in packed.tensors.values() for t in pair}
     assert len(storages) == 1 and packed.nbytes == w.nbytes and packed.version == w.version
@@ -217,19 +217,3 @@ def test_unregister_frees_host_memory(tmp_path, shape):
     st.unregister("a")
     assert st.host.nbytes == 0 and st.names() == [] and st.peek("a") is None
     st.close()
-
-
-@pytest.mark.gpu
-def test_host_cache_pins_on_cuda_for_async_copies(tmp_path, shape):
-    import torch
-
-    w = load_local("a", write_adapter(tmp_path / "a", shape), 16, shape)
-    cache = HostCache(HostCacheConfig(budget_bytes=1 << 20))  # pin_memory=None: pinned where CUDA is
-    held = cache.put(w)
-    assert all(t.is_pinned() for pair in held.tensors.values() for t in pair)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        on_gpu = {k: tuple(t.to("cuda", non_blocking=True) for t in pair) for k, pair in held.tensors.items()}
-    stream.synchronize()
-    for k, (a, b) in w.tensors.items():
-        assert torch.equal(on_gpu[k][0].cpu(), a) and torch.equal(on_gpu[k][1].cpu(), b)

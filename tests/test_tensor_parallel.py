@@ -45,7 +45,7 @@ def adapters(tiny_model_dir, tmp_path_factory):
 def test_adapter_shards_gather_to_the_original_bit_for_bit(cfg, adapters):
     full = load_local("a", adapters["a"], 64, cfg.shape)
     world = 2
-    shards = [shard_adapter(full, Shard(r, world), torch.float32, pin=False) for r in range(world)]
+    shards = [shard_adapter(full, Shard(r, world), torch.float32) for r in range(world)]
     for (layer, m), (a, b) in full.tensors.items():
         parts = [s.tensors[layer, m] for s in shards]
         ga, gb = gather_lora_pair(m, parts)

@@ -39,8 +39,7 @@ class ShardedLoraPool(LoraPool):
         self.channel: Channel | None = None  # set once the workers have joined
 
     def _load(self, slot: int, weights) -> None:
-        pin = torch.device(self.config.device).type == "cuda"
-        shards = [shard_adapter(weights, Shard(r, self.world), self.config.dtype, pin) for r in range(self.world)]
+        shards = [shard_adapter(weights, Shard(r, self.world), self.config.dtype) for r in range(self.world)]
         m = weights.manifest
         self.channel.send_load(slot, m.rank, m.scale, [s.stacks for s in shards[1:]])
         super()._load(slot, shards[0])

@@ -91,11 +91,11 @@ def gather_lora_pair(module: str, shards: list[tuple[torch.Tensor, torch.Tensor]
     return (a[0], torch.cat(b, 0)) if module in COLUMN else (torch.cat(a, 1), b[0])
 
 
-def shard_adapter(weights: LoraWeights, shard: Shard, dtype: torch.dtype, pin: bool) -> LoraWeights:
-    """This rank's part of an adapter, packed in its own (pinned) buffer: only the shard
+def shard_adapter(weights: LoraWeights, shard: Shard, dtype: torch.dtype) -> LoraWeights:
+    """This rank's part of an adapter, packed in its own buffer: only the shard
     crosses to the rank's GPU; the host cache keeps the one full copy."""
     tensors = {key: shard_lora_pair(key[1], a, b, shard) for key, (a, b) in weights.tensors.items()}
-    return pack(dataclasses.replace(weights, tensors=tensors, buffer=None, stacks=None), pin=pin, dtype=dtype)
+    return pack(dataclasses.replace(weights, tensors=tensors, buffer=None, stacks=None), dtype=dtype)
 
 
 # -- base weights -----------------------------------------------------------------------
