@@ -8,6 +8,8 @@ one after another on one thread; the rates go through ``AdapterStore.prefetch`` 
 flight, loader threads, host LRU). The engine-like thread runs small torch ops and a little
 Python in a loop, as a decode step does: it competes for the GIL, which every torch call
 releases and takes back. ``engine_its`` is its loop rate, to compare with ``engine_alone``.
+On CUDA it first measures what decided that the host tier is not page-locked (``pinning``):
+a fresh pinned 128 MiB buffer's time, and a GPU loop's rate while buffers are pinned beside it.
 
     python benchmarks/adapter_cold_load.py [--loads 24] [--flight 1 2 4]
 """
@@ -116,6 +118,40 @@ def rate(shape, slab: Slab, flight: int, n: int, engine: bool) -> dict:
     return out
 
 
+def pinning(n: int = 8) -> dict:
+    """ms per fresh pinned 128 MiB buffer, and the iterations/s of a GPU loop (matmuls and a sync,
+    a decode step's pattern) idle and while those buffers are pinned from another thread."""
+    stop, its = threading.Event(), [0]
+
+    def gpu():
+        a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+        while not stop.is_set():
+            for _ in range(5):
+                a @ a
+            torch.cuda.synchronize()
+            its[0] += 1
+
+    thread = threading.Thread(target=gpu)
+    thread.start()
+    time.sleep(1.0)
+    i0, start = its[0], time.perf_counter()
+    time.sleep(1.0)
+    idle = (its[0] - i0) / (time.perf_counter() - start)
+    i0, start, times, keep = its[0], time.perf_counter(), [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        keep.append(torch.empty(128 << 20, dtype=torch.uint8, pin_memory=True))
+        times.append((time.perf_counter() - t) * 1e3)
+    beside = (its[0] - i0) / (time.perf_counter() - start)
+    stop.set()
+    thread.join()
+    return {
+        "pin_128MiB_ms": round(statistics.median(times), 1),
+        "gpu_its_idle": round(idle),
+        "gpu_its_pinning": round(beside, 1),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--loads", type=int, default=24, help="adapters per rate measurement")
@@ -131,6 +167,8 @@ def main():
     store.host = HostCache(host)
     pool = LoraPool(cfg.shape, PoolConfig(2, RANK, DTYPE, "cuda" if cuda else "cpu"))
     print(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu", "threads": torch.get_num_threads()}))
+    if cuda:
+        print(json.dumps({"pinning": pinning()}), flush=True)
     for clock in (time.perf_counter, time.thread_time):  # wall, and this thread's CPU
         print(json.dumps({clock.__name__: phases(store, pool, a.phases, clock), "fallbacks": store.fast.fallbacks}))
     print(json.dumps({"host_buffers_reused": store.host.spares.reused}))

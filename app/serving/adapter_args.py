@@ -1,7 +1,7 @@
 """`adapter_source` and `adapter_cache` in serve_config.yaml args → the AdapterStore's config.
 
 Tiers below the GPU slots (`max_loras` / `lora_memory_gb`): host memory (parsed,
-pinned where CUDA is), then verified local copies of S3 objects on disk. A budget
+in the serving dtype), then verified local copies of S3 objects on disk. A budget
 left out is sized from the machine that parses the config (`serve run`'s); one that
 cannot fit there, or holds no adapter of `max_lora_rank`, is refused by name.
 """
