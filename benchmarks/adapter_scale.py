@@ -97,7 +97,7 @@ def replay(
     pool = engine.model.lora_pool
     loads0, misses0, made0 = pool.loads, pool.misses, store.count("load.local")
     loading: list[tuple[int, Future]] = []
-    first, tokens, batches = {}, 0, []
+    first, tokens, busy = {}, 0, [0.0, 0.0]  # running requests × seconds stepped, seconds stepped
     t0, i, done = time.perf_counter(), 0, 0
     while done < len(requests) and time.perf_counter() - t0 < limit_s:
         now = time.perf_counter() - t0
@@ -116,13 +116,15 @@ def replay(
         if not engine.has_work():
             time.sleep(2e-4)
             continue
-        batches.append(len(engine.scheduler.running))
+        running, stepped = len(engine.scheduler.running), time.perf_counter()
         for chunk in engine.step():
             if isinstance(chunk, TokenChunk):
                 j = int(chunk.request_id[1:])
                 tokens += len(chunk.token_ids)
                 first.setdefault(j, time.perf_counter() - t0)
                 done += chunk.finish_reason is not None
+        stepped = time.perf_counter() - stepped
+        busy[0], busy[1] = busy[0] + running * stepped, busy[1] + stepped
     _sync()
     span = time.perf_counter() - t0
     truncated = done < len(requests)
@@ -139,7 +141,7 @@ def replay(
         "truncated": truncated,
         "seconds": round(span, 2),
         "tokens_per_s": round(tokens / span, 1),
-        "mean_batch": round(float(np.mean(batches)), 1),
+        "mean_batch": round(busy[0] / max(busy[1], 1e-9), 1),  # running requests, weighted by step time
         "ttft_p50_ms": round(pct(ttft, 50) * 1e3, 1),
         "ttft_p99_ms": round(pct(ttft, 99) * 1e3, 1),
         "max_wait_ms": round(ttft[-1] * 1e3, 1),
@@ -161,23 +163,22 @@ def replay(
 
 def request_rate(engine: EngineCore, names, batch: int, max_tokens: int, n: int) -> float:
     """Requests per second with `batch` requests always in flight (a closed loop, adapters
-    resident, prefill steps included). Poisson arrivals at this rate are at the engine's capacity
-    for that batch: bursts grow the batch, which slows the step (at 1.0 the replay ran at a mean
-    batch of 60); the trace runs at --load times it (mean batch reported)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    started = finished = 0
-    while started < batch:
-        engine.add(GenerateRequest(f"w{started}", tuple(range(1, 65)), params, names(started)))
-        started += 1
-    start = None
+    resident). The first wave asks for 1, 2, ... max_tokens tokens, so that finishes, and new
+    requests' prefills, are spread over the steps as Poisson arrivals spread them (a wave in
+    lockstep would decode in CUDA graphs between rare prefill steps and overstate the rate)."""
+    params = lambda k: SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)  # noqa: E731
+    for k in range(batch):
+        engine.add(GenerateRequest(f"w{k}", tuple(range(1, 65)), params(1 + k * max_tokens // batch), names(k)))
+    started, finished, start = batch, 0, None
     while engine.has_work():
         for chunk in engine.step():
             if isinstance(chunk, TokenChunk) and chunk.finish_reason is not None:
                 finished += 1
-                if finished == batch:  # the first wave out: time the later ones, in steady state
+                if finished == 2 * batch:  # staggered by now: time the rest
+                    _sync()
                     start, counted = time.perf_counter(), finished
                 if started < n:
-                    engine.add(GenerateRequest(f"w{started}", tuple(range(1, 65)), params, names(started)))
+                    engine.add(GenerateRequest(f"w{started}", tuple(range(1, 65)), params(max_tokens), names(started)))
                     started += 1
     _sync()
     return (finished - counted) / (time.perf_counter() - start)
@@ -227,7 +228,7 @@ def main():
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
     a = ap.parse_args()
     if a.smoke:
-        a.adapters, a.requests, a.max_tokens, a.slots, a.batch, a.probe, a.warmup_s = 300, 120, 4, 8, 4, 8, 0.5
+        a.adapters, a.requests, a.max_tokens, a.slots, a.batch, a.probe, a.warmup_s = 300, 120, 4, 8, 4, 8, 0.0
     cfg = tiny_config() if a.smoke else llama7b()
     device, dtype = ("cpu", torch.float32) if a.smoke else ("cuda", torch.float16)
     slab = Slab(cfg, 0.01 if a.smoke else a.slab_gb, device)

@@ -105,7 +105,8 @@ def test_loads_in_a_row_go_through_the_two_staging_buffers_exactly():
     the first copies still wait: every slot holds its own adapter, so no staging buffer was
     refilled while a copy still had to read it."""
     pool = LoraPool(SHAPE, PoolConfig(num_slots=5, max_rank=16, dtype=torch.float16, device="cuda"))
-    ws = [pack(adapter(f"a{k}", 16 - 2 * k, seed=10 + k), dtype=torch.float16) for k in range(5)]
+    # ranks of powers of two: each scale (0.5 + seed) / rank is exact in the slots' fp32
+    ws = [pack(adapter(f"a{k}", r, seed=10 + k), dtype=torch.float16) for k, r in enumerate((16, 8, 4, 2, 16))]
     assert not any(w.buffer.is_pinned() for w in ws)
     torch.cuda._sleep(200_000_000)  # copies queue behind a busy device, as beside a running step
     slots = [pool.acquire(w) for w in ws]
