@@ -22,7 +22,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from adapters_store.host_cache import pack
@@ -192,12 +191,13 @@ class LoraPool:
 
     def _stage(self, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
         """buf (a whole host buffer, ≤ slot_bytes) copied into the next free pinned staging buffer;
-        buf itself is free again on return. numpy: one thread, the GIL released."""
+        buf itself is free again on return. torch's copy runs on its CPU thread pool: one thread
+        (numpy) copied 80 MB in 15 ms, and a burst of cold adapters queues on this one copier."""
         k = self._turn = 1 - self._turn
         if self._staged[k] is not None:
             self._staged[k].synchronize()  # its previous host→device copy has read it
         pinned = self._staging[k][: buf.nbytes]
-        np.copyto(pinned.numpy(), buf.view(torch.uint8).numpy())
+        pinned.copy_(buf.view(torch.uint8))
         return pinned.view(buf.dtype), k
 
     def _index(self, layers: tuple[int, ...]) -> torch.Tensor:
