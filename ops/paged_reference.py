@@ -13,7 +13,11 @@ softcap * tanh(scores / softcap) before the mask (HF's eager Gemma 2).
 Readable, and still the CPU's fast path: each part gathers its context once per layer into
 contiguous K/V (index_select) and makes one torch SDPA call (per prefill request; one for all
 decode rows), so no padded copy of the prompt is built. Everything runs in fp32 (a no-op for an
-fp32 model) and is rounded to out's dtype once.
+fp32 model), or in float64 for a float64 one, and is rounded to out's dtype once. A float64 engine
+(CPU only) exists so that a request resumed elsewhere, its context recomputed by a prefill instead
+of decode steps, samples the tokens of the uninterrupted run: fp32 attention there moved a sampled
+draw of the tiny test model's near-uniform distribution across a token boundary (the scale-down
+test's flake, tests/test_migration_precision.py), so it is never narrowed to fp32.
 """
 
 import torch
@@ -82,16 +86,17 @@ def _visible(q_pos, k_pos, window: int | None):
 
 
 def _attend(q, k, v, visible, scale: float, softcap: float | None):
-    """fp32 softmax attention of q [B, Lq, heads, D] over k, v [B, Lk, kv_heads, D]; visible: bool,
-    broadcastable to [B, kv_heads, group * Lq, Lk]. The heads sharing a KV head become extra query
+    """fp32 (float64 for float64 q) softmax attention of q [B, Lq, heads, D] over k, v [B, Lk,
+    kv_heads, D]; visible: bool, broadcastable to [B, kv_heads, group * Lq, Lk]. The heads sharing a KV head become extra query
     rows of it (rows ordered (head in group, query)), so K/V are not repeated. -> [B, Lq, heads, D]."""
     b, lq, heads, d = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
-    qf = q.float().view(b, lq, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * lq, d)
-    kf, vf = k.float().transpose(1, 2), v.float().transpose(1, 2)  # [B, kv_heads, Lk, D]
+    dtype = torch.promote_types(q.dtype, torch.float32)  # half types widen to fp32, float64 stays
+    qf = q.to(dtype).view(b, lq, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * lq, d)
+    kf, vf = k.to(dtype).transpose(1, 2), v.to(dtype).transpose(1, 2)  # [B, kv_heads, Lk, D]
     # an additive mask keeps SDPA on its fast CPU path (a bool mask with these shapes is far slower)
-    mask = torch.zeros(visible.shape, device=q.device).masked_fill_(~visible, float("-inf"))
+    mask = torch.zeros(visible.shape, dtype=dtype, device=q.device).masked_fill_(~visible, float("-inf"))
     if softcap is None:
         o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
     else:  # SDPA has no soft-capping
