@@ -7,8 +7,9 @@ Eviction only drops the cache's reference: an adapter still held by a loader sta
 valid until released. The budget counts the buffers' bytes.
 
 Buffers are never page-locked here: pinning memory (cudaHostAlloc) holds up every CUDA call of the
-process while it runs — on the H200 a thread pinning 128 MiB blocks (78 ms each) cut a GPU loop
-beside it from 119 to 3.9 iterations a second, so each cold load stalled the engine. The GPU pool
+process while it runs — on the H200 a thread pinning 128 MiB blocks (73 ms each) cut a GPU loop
+beside it from 117 to 3.7 iterations a second (benchmarks/adapter_cold_load.py, ``pinning``), so a
+cold load that pinned its buffer stalled the engine. The GPU pool
 stages its copies through two pinned buffers it allocates once (adapters_store/gpu_pool.py).
 """
 
@@ -133,7 +134,7 @@ class HostCache:
             return weights
 
     def put(self, weights: LoraWeights) -> LoraWeights:
-        """Cache weights (packed/pinned if configured) and return what callers should use."""
+        """Cache weights (packed in the serving dtype where needed) and return what callers should use."""
         key = (weights.name, weights.version)
         packed = weights.buffer is not None and weights.buffer.dtype == self.config.dtype
         # parsed tensors keep the file's dtype (fp16 of an fp16 file): the cache holds the serving dtype

@@ -97,7 +97,7 @@ def replay(
     pool = engine.model.lora_pool
     loads0, misses0, made0 = pool.loads, pool.misses, store.count("load.local")
     loading: list[tuple[int, Future]] = []
-    first, tokens, busy = {}, 0, [0.0, 0.0]  # running requests × seconds stepped, seconds stepped
+    first, tokens, busy, stepping = {}, 0, 0.0, 0.0  # busy: running requests × seconds stepped
     t0, i, done = time.perf_counter(), 0, 0
     while done < len(requests) and time.perf_counter() - t0 < limit_s:
         now = time.perf_counter() - t0
@@ -124,7 +124,7 @@ def replay(
                 first.setdefault(j, time.perf_counter() - t0)
                 done += chunk.finish_reason is not None
         stepped = time.perf_counter() - stepped
-        busy[0], busy[1] = busy[0] + running * stepped, busy[1] + stepped
+        busy, stepping = busy + running * stepped, stepping + stepped
     _sync()
     span = time.perf_counter() - t0
     truncated = done < len(requests)
@@ -134,23 +134,15 @@ def replay(
     waits = {j: first.get(j, span) - requests[j][0] for j in range(i)}
     ttft = sorted(waits.values())
     steady = sorted(w for j, w in waits.items() if requests[j][0] >= warmup_s)
-    pct = lambda xs, q: xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]  # noqa: E731
     return {
         "requests": len(requests),
         "finished": done,
         "truncated": truncated,
         "seconds": round(span, 2),
         "tokens_per_s": round(tokens / span, 1),
-        "mean_batch": round(busy[0] / max(busy[1], 1e-9), 1),  # running requests, weighted by step time
-        "ttft_p50_ms": round(pct(ttft, 50) * 1e3, 1),
-        "ttft_p99_ms": round(pct(ttft, 99) * 1e3, 1),
-        "max_wait_ms": round(ttft[-1] * 1e3, 1),
-        "steady": {
-            "requests": len(steady),
-            "ttft_p50_ms": round(pct(steady, 50) * 1e3, 1),
-            "ttft_p99_ms": round(pct(steady, 99) * 1e3, 1),
-            "max_wait_ms": round(steady[-1] * 1e3, 1),
-        },
+        "mean_batch": round(busy / max(stepping, 1e-9), 1),  # running requests, weighted by step time
+        **waits_ms(ttft),
+        "steady": {"requests": len(steady), **waits_ms(steady)},
         "gpu_loads": pool.loads - loads0,
         "gpu_misses": pool.misses - misses0,
         "gpu_loads_per_s": round((pool.loads - loads0) / span, 1),
@@ -158,6 +150,16 @@ def replay(
         "host_loads_per_s": round(made / span, 1),
         "distinct_adapters": len({names(r[1]) for r in requests}),
         "ttft_s": ttft,
+    }
+
+
+def waits_ms(xs: list[float]) -> dict:
+    """TTFT p50 / p99 and the longest wait of sorted seconds, in ms."""
+    pct = lambda q: xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]  # noqa: E731
+    return {
+        "ttft_p50_ms": round(pct(50) * 1e3, 1),
+        "ttft_p99_ms": round(pct(99) * 1e3, 1),
+        "max_wait_ms": round(xs[-1] * 1e3, 1),
     }
 
 
@@ -169,19 +171,19 @@ def request_rate(engine: EngineCore, names, batch: int, max_tokens: int, n: int)
     params = lambda k: SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)  # noqa: E731
     for k in range(batch):
         engine.add(GenerateRequest(f"w{k}", tuple(range(1, 65)), params(1 + k * max_tokens // batch), names(k)))
-    started, finished, start = batch, 0, None
+    started, finished = batch, 0
     while engine.has_work():
         for chunk in engine.step():
             if isinstance(chunk, TokenChunk) and chunk.finish_reason is not None:
                 finished += 1
                 if finished == 2 * batch:  # staggered by now: time the rest
                     _sync()
-                    start, counted = time.perf_counter(), finished
+                    start = time.perf_counter()
                 if started < n:
                     engine.add(GenerateRequest(f"w{started}", tuple(range(1, 65)), params(max_tokens), names(started)))
                     started += 1
     _sync()
-    return (finished - counted) / (time.perf_counter() - start)
+    return (finished - 2 * batch) / (time.perf_counter() - start)
 
 
 def rates(store: StandInStore, shape, slab: Slab, workers: int, n: int) -> dict:
