@@ -24,7 +24,11 @@ def config_args(**overrides) -> dict:
     """The `args:` of serve_config.yaml's application, with overrides on top; runtime
     registrations in memory unless `registry_path` is given (the shipped file is the user's)."""
     config = yaml.safe_load(CONFIG.read_text())
-    return {**copy.deepcopy(config["applications"][0]["args"]), "registry_path": None, **overrides}
+    args = copy.deepcopy(config["applications"][0]["args"])
+    if overrides.get("model") is not None:  # the shipped template and parser are the embedded model's
+        args.pop("chat_template", None)
+        args.pop("tool_parser", None)
+    return {**args, "registry_path": None, **overrides}
 
 
 def free_port() -> int:

@@ -16,16 +16,16 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from ray import serve
 from transformers import AutoConfig
 
 from app.engine.factory import load_tokenizer
-from app.errors import AdapterNotFoundError, InvalidRequestError
+from app.errors import AdapterNotFoundError
 from app.model.source import resolve_model
-from app.openai import http_errors
+from app.openai import chat_template, http_errors
+from app.openai.adapter_view import AdapterView
 from app.openai.admin import AdapterAdmin, LoadLoraAdapter, RegisterAdapter, UnloadLoraAdapter
 from app.openai.auth import Auth, Caller, is_loopback, serve_bind_host
 from app.openai.choice_streams import Choices
@@ -66,6 +66,8 @@ class Ingress:
         → tokenizer: the seam tests use to hold a tokenization open (tests/app_fixtures.py)."""
         self.settings = settings
         self.tokenizer, model_config = load_model_files(settings.model, tokenizer_loader)
+        if settings.chat_template is not None:  # the app's chat_template arg overrides the checkpoint's
+            self.tokenizer.chat_template = settings.chat_template
         kv_tokens = settings.engine.num_kv_blocks * settings.engine.block_size
         self.context_limit = min(settings.engine.max_model_len or model_config.max_position_embeddings, kv_tokens)
         self.tool_support = ToolSupport.of(self.tokenizer, model_config.model_type, settings.tool_parser)
@@ -77,7 +79,10 @@ class Ingress:
         self._prepare_pool = ThreadPoolExecutor(_PREPARE_THREADS, thread_name_prefix="prepare")
         self._local = threading.local()  # one tokenizer per pool thread: HF tokenizers are not re-entrant
         self.registry = registry
-        self.admin = AdapterAdmin(settings.model_name, replica, registry, settings.adapter_roots)
+        # adapter names resolve from this copy of the registry: no request waits on another actor
+        self.adapters = AdapterView(registry)
+        self.adapters.start()  # Serve runs __init__ on the loop that serves the requests
+        self.admin = AdapterAdmin(settings.model_name, replica, registry, settings.adapter_roots, self.adapters)
         self.started = int(time.time())
 
     # -- inference ----------------------------------------------------------------
@@ -111,16 +116,15 @@ class Ingress:
     def _chat_input(self, raw: bytes):
         """On a pool thread: (body, prompt token ids, its ToolPlan or None)."""
         body = http_errors.parse_json(raw, ChatCompletionRequest)
+        return body, *self._chat_prompt(body)
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
+        """On a pool thread: the rendered conversation's token ids and the request's ToolPlan."""
         tok = self._thread_tokenizer()
-        if not tok.chat_template:
-            raise InvalidRequestError("this model has no chat template: use /v1/completions")
         tools = body.template_tools()
         plan = self.tool_support.plan(tools, body.choice(), body.parallel_tool_calls, body.has_tool_messages)
-        try:  # the checkpoint's own template renders the tools, as transformers does
-            text = tok.apply_chat_template(body.chat(), tools=tools, add_generation_prompt=True, tokenize=False)
-        except jinja2.TemplateError as exc:  # e.g. a template that checks role order or tool-call ids
-            raise InvalidRequestError(f"the model's chat template rejected the messages: {exc}") from None
-        return body, tok(text, add_special_tokens=False)["input_ids"], plan
+        text = chat_template.render(tok, body.chat(), tools, body.chat_template_kwargs or {})
+        return tok(text, add_special_tokens=False)["input_ids"], plan
 
     async def _generate(
         self, body, caller: Caller, ids: list[int], chat: bool, logprobs: int | None, tools: ToolPlan | None = None
@@ -150,7 +154,7 @@ class Ingress:
         caller may not see, worded the same whether it exists or not."""
         if model == self.settings.model_name:
             return None, 0
-        spec, epoch = (None, 0) if not caller.may_use(model) else await self.registry.lookup.remote(model)
+        spec, epoch = (None, 0) if not caller.may_use(model) else await self.adapters.resolve(model)
         if spec is None:
             raise AdapterNotFoundError(f"The model `{model}` does not exist or you do not have access to it.")
         return spec, epoch
@@ -174,7 +178,7 @@ class Ingress:
     @api.get("/v1/models")
     async def models(self, request: Request):
         caller = self._caller(request)
-        specs, _ = await self.registry.list.remote()
+        specs = await self.adapters.specs()
         base = self.settings.model_name
         cards = [self._card(base, None)] + [self._card(s.name, base) for s in specs if caller.may_use(s.name)]
         return {"object": "list", "data": cards}

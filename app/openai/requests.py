@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from app.openai.chat_template import check_kwargs
 from app.openai.sampling import SamplingFields, StrictBody
 
 
@@ -124,11 +125,16 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    chat_template: Any = None  # vLLM's per-request template: refused (the app's chat_template arg sets it)
 
     @model_validator(mode="after")
     def _unsupported(self):
         if self.functions or self.function_call is not None:
             raise ValueError("functions and function_call (deprecated) are not supported: use tools and tool_choice")
+        if self.chat_template is not None:
+            raise ValueError("a per-request chat_template is not supported: the server's chat_template arg sets it")
+        check_kwargs(self.chat_template_kwargs)
         self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import jinja2
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -109,6 +110,8 @@ class AppArgs(_Strict):
     adapter_cache: AdapterCacheArgs = AdapterCacheArgs()  # host / disk tiers' budgets (app/serving/adapter_args.py)
     # how the model writes tool calls (vLLM's --tool-call-parser); auto: from its chat template, else its family
     tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    # the chat template (vLLM's --chat-template): a file, or the Jinja text itself; None: the checkpoint's
+    chat_template: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _dtype_for_the_device(self):
@@ -144,6 +147,7 @@ class Settings:
     adapter_roots: tuple[str, ...] = ("s3://",)
     adapter_store: StoreConfig = StoreConfig()  # tiers and on-demand source (its default_root)
     tool_parser: str = "auto"  # docs/tool_calling.md
+    chat_template: str | None = None  # the template's text (the arg's file read here); None: the checkpoint's
 
 
 def _describe(error: ValidationError) -> str:
@@ -183,6 +187,29 @@ def _adapter_dirs(dirs: list[str], field: str = "adapter_dirs") -> tuple[str, ..
             raise ConfigError(f"invalid serve_config.yaml args:\n  {field}.{i}: no directory {str(path)!r}")
         resolved.append(str(path))
     return tuple(resolved)
+
+
+_PROJECT = Path(__file__).resolve().parents[2]
+
+
+def _chat_template(value: str | None) -> str | None:
+    """The template's text: Jinja given inline (it holds a tag), else a file, relative to where
+    `serve run` was started or else to the project (the shipped app/openai/templates/)."""
+    if value is None:
+        return None
+    text = value if "{{" in value or "{%" in value else None
+    for path in () if text else (Path(value).expanduser(), _PROJECT / value):
+        if path.is_file():
+            text = path.read_text()
+            break
+    if text is None:
+        raise ConfigError(f"invalid serve_config.yaml args:\n  chat_template: no file {value!r} (nor Jinja text)")
+    try:  # a syntax error stops `serve run` here, not every chat request later
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        if "generation" not in str(exc):  # transformers' own {% generation %} tag parses there
+            raise ConfigError(f"invalid serve_config.yaml args:\n  chat_template: {exc} (line {exc.lineno})") from None
+    return text
 
 
 def _check_model(model: str | None) -> None:
@@ -283,4 +310,5 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         adapter_roots=_adapter_roots(a.adapter_roots, dirs, a.adapter_source),
         adapter_store=adapter_store,
         tool_parser=a.tool_parser,
+        chat_template=_chat_template(a.chat_template),
     )
