@@ -53,6 +53,7 @@ class EngineCore:
         self.max_batch_seen = 0  # most requests in one forward pass
         self.last_batch_size = 0  # requests in the latest forward pass
         self.tokens_computed = 0  # prefill + decode tokens through the model, ever
+        self.startup_report: dict = {}  # the KV plan and start-up times (app/engine/factory.py), in stats()
 
     # -- requests -------------------------------------------------------------
     def add(self, request: GenerateRequest, front: bool = False, adapter=None, grammar=None) -> None:
@@ -219,4 +220,5 @@ class EngineCore:
             "prefix_hit_tokens": dict(self.prefix.hit_tokens),
             "prefix_query_tokens": dict(self.prefix.query_tokens),
             "prefix_heads": self.prefix.recent_heads(),
+            **self.startup_report,
         }
