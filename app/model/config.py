@@ -8,6 +8,7 @@ import torch
 
 from adapters_store.peft_weights import ModelShape
 from app.model.family import PHI3_FUSED, Traits, check_supported
+from app.model.quantization import Quantization, resolve
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,15 @@ class ModelConfig:
     attn_softcap: float | None = None  # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2)
     fused_adapter_modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # fp8 base projections (app/model/quantization.py); in the prefix cache's model key with the rest
+    quantization: Quantization | None = None
 
     @classmethod
-    def from_hf(cls, hf) -> ModelConfig:
+    def from_hf(cls, hf, quantization: str | None = None) -> ModelConfig:
+        """quantization: the `quantization` argument ("fp8" or None); a checkpoint's own
+        quantization_config is read (and refused unless served) either way."""
         traits = check_supported(hf)
+        quant = resolve(hf, quantization)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         inv_freq, scaling, local_inv, local_scaling = _rope(hf, traits)
         eos = hf.eos_token_id
@@ -65,6 +71,7 @@ class ModelConfig:
             attn_softcap=getattr(hf, "attn_logit_softcapping", None),
             final_softcap=getattr(hf, "final_logit_softcapping", None),
             fused_adapter_modules=dict(PHI3_FUSED) if traits.fused_checkpoint else {},
+            quantization=quant,
         )
 
     def window(self, layer: int) -> int | None:

@@ -100,3 +100,6 @@ def check_checkpoint(path: str) -> None:
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"unsupported model config in {Path(path).name}: {str(exc).splitlines()[0]}") from None
     check_supported(hf)
+    from app.model.quantization import resolve
+
+    resolve(hf, None)  # a quantization_config the loader does not serve

@@ -1,6 +1,6 @@
 """The decoder forward on `ops` for every supported family (app/model/family.py declares what
 each one changes): fused QKV and gate/up, RoPE, GQA over paged KV, SwiGLU or GeGLU, and the
-multi-LoRA add-on on any of the seven projections."""
+multi-LoRA add-on on any of the seven projections; fp8 base projections where the weights hold them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from app.model.inputs import LoraSegments, StepInputs
 from app.model.weights import FUSED, ModelWeights
 from ops.activation import gelu_tanh_mul, silu_mul
 from ops.attention import paged_attention
+from ops.fp8 import fp8_linear
 from ops.lora import LoraSlice, add_lora
 from ops.norms import add_rms_norm, rms_norm
 from ops.rope import rope_and_cache, rope_cos_sin
@@ -97,9 +98,15 @@ class LlamaModel:
         return self.reduce(self._project(i, "down", self.act(self._project(i, "gate_up", x, lora)), lora))
 
     def _project(self, i: int, fused: str, x: torch.Tensor, lora: LoraSegments | None):
-        """x @ W_fused.T (+ bias) plus each member module's LoRA add-on, written into its column slice."""
+        """x @ W_fused.T (+ bias) plus each member module's LoRA add-on, written into its column slice.
+        An fp8 W (app/model/quantization.py) runs the fp8 GEMM; the LoRA add-on reads the same x."""
         layer = self.w.layers[i]
-        y = F.linear(x, layer.proj[fused], layer.bias.get(fused))
+        scale = layer.scale.get(fused)
+        y = (
+            F.linear(x, layer.proj[fused], layer.bias.get(fused))
+            if scale is None
+            else fp8_linear(x, layer.proj[fused], scale, layer.bias.get(fused))
+        )
         if lora is None:
             return y
         pool, members, offset = self.lora_pool, [], 0

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from app.model.config import ModelConfig
+from app.model.quantization import check_device, check_shapes, quantize_projections, read_fp8
 
 # Fused projections: one GEMM each; LoRA slices are addressed by column offset.
 FUSED = {
@@ -24,12 +25,13 @@ FUSED = {
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden], the norm before the MLP
-    proj: dict[str, torch.Tensor]  # fused name -> [sum(out), in]
+    proj: dict[str, torch.Tensor]  # fused name -> [sum(out), in] (float8_e4m3fn where `scale` has it)
     bias: dict[str, torch.Tensor] = field(default_factory=dict)  # fused name -> [sum(out)] (Qwen2's qkv)
     q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None  # [hidden] on the attention output (Gemma)
     mlp_out_norm: torch.Tensor | None = None  # [hidden] on the MLP output (Gemma)
+    scale: dict[str, torch.Tensor] = field(default_factory=dict)  # fused name -> [sum(out)] fp32 (fp8 proj)
 
 
 @dataclass
@@ -53,6 +55,9 @@ def _open_all(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(ckpt: Path, cfg: ModelConfig, dtype: torch.dtype, device: str) -> ModelWeights:
+    """cfg.quantization: projections made fp8 here, or read as fp8 from the checkpoint."""
+    quant = cfg.quantization
+    check_device(device, quant, dtype)
     state = _open_all(Path(ckpt))
     t = cfg.traits
 
@@ -63,11 +68,30 @@ def load_weights(ckpt: Path, cfg: ModelConfig, dtype: torch.dtype, device: str) 
         # Gemma's (1 + w), folded once and kept in fp32: its RMSNorm multiplies in fp32 and rounds once
         return (1.0 + state[key].float()).to(device) if t.norm_plus_one else get(key)
 
-    def proj(p: str, fused: str) -> torch.Tensor:
+    def stored(p: str, fused: str) -> list[str]:
+        """The checkpoint modules of one fused projection (Phi-3 stores qkv_proj and gate_up_proj as is)."""
         block, modules = FUSED[fused]
-        if t.fused_checkpoint and len(modules) > 1:  # Phi-3 stores qkv_proj and gate_up_proj as is
-            return get(f"{p}{block}.{fused}_proj.weight").contiguous()
-        return torch.cat([get(f"{p}{block}.{m}.weight") for m in modules]).contiguous()
+        names = [f"{fused}_proj"] if t.fused_checkpoint and len(modules) > 1 else modules
+        return [f"{p}{block}.{m}" for m in names]
+
+    def proj(p: str, fused: str, as_stored: bool = False) -> torch.Tensor:
+        """as_stored: in the checkpoint's own precision (what fp8 quantization at load starts from)."""
+        read = (lambda k: state[k].to(device)) if as_stored else get  # noqa: E731
+        return torch.cat([read(m + ".weight") for m in stored(p, fused)]).contiguous()
+
+    def projections(p: str) -> tuple[dict, dict]:
+        """(fused name → weight, fused name → fp8 scale, empty unless quantized)."""
+        if quant is not None and quant.checkpoint:
+            pairs = {f: [read_fp8(state, m, device) for m in stored(p, f)] for f in FUSED}
+            return (
+                {f: torch.cat([q for q, _ in ps]).contiguous() for f, ps in pairs.items()},
+                {f: torch.cat([s for _, s in ps]) for f, ps in pairs.items()},
+            )
+        weights = {fused: proj(p, fused, as_stored=quant is not None) for fused in FUSED}
+        if quant is None:
+            return weights, {}
+        check_shapes(weights, device)
+        return quantize_projections(weights)
 
     def layer(i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -76,9 +100,8 @@ def load_weights(ckpt: Path, cfg: ModelConfig, dtype: torch.dtype, device: str) 
             if t.sandwich_norms
             else ("input_layernorm", "post_attention_layernorm")
         )
-        w = LayerWeights(
-            norm(p + names[0] + ".weight"), norm(p + names[1] + ".weight"), {fused: proj(p, fused) for fused in FUSED}
-        )
+        proj, scale = projections(p)
+        w = LayerWeights(norm(p + names[0] + ".weight"), norm(p + names[1] + ".weight"), proj, scale=scale)
         if t.qkv_bias:
             w.bias["qkv"] = torch.cat([get(f"{p}self_attn.{m}.bias") for m in FUSED["qkv"][1]])
         if t.qk_norm:

@@ -9,6 +9,10 @@ Rules (``W`` in HF layout [out, in]; LoRA ``A`` [r, in], ``B`` [out, r]):
   is replicated. The rank's partial ``y_i = x_i W_i + (x_i A_i) B`` is summed by the
   backbone's own all-reduce, which so also sums the shrink: Σ_i (x_i A_i) B = (x A) B.
 - embeddings, norms, lm_head — replicated; only rank 0 computes logits.
+- fp8 per-output-channel scales (app/model/quantization.py) follow the weight's output rows:
+  cut with them for column-parallel modules, whole on every rank for row-parallel ones. A
+  row-parallel weight quantized at load takes its scales from the whole row, so every rank's
+  shard holds exactly the fp8 values one GPU would.
 
 Why the row-parallel shrink is folded into the backbone's all-reduce instead of
 all-reducing ``v_i = x_i A_i`` before the expand (L layers, hidden h, rank r, fp16, ring
@@ -36,13 +40,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from adapters_store.host_cache import pack
 from adapters_store.peft_weights import LoraWeights
 from app.model.config import ModelConfig
 from app.model.family import Traits
+from app.model.quantization import channel_scales, check_device, check_shapes, fp8_pair
 from app.model.weights import FUSED, LayerWeights, ModelWeights
+from ops.fp8 import channel_scale, quantize
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features split
 ROW = ("o_proj", "down_proj")  # input features split
@@ -99,6 +105,13 @@ def shard_adapter(weights: LoraWeights, shard: Shard, dtype: torch.dtype) -> Lor
 
 
 # -- base weights -----------------------------------------------------------------------
+def _scale_or_none(get_slice, key: str):
+    try:
+        return get_slice(key + ".weight_scale")[:]
+    except (KeyError, SafetensorError):  # an index without the key, or a file without it
+        return None
+
+
 def _reader(ckpt: Path):
     """key → a lazy safetensors slice, so each rank reads only its part of the checkpoint."""
     index = ckpt / "model.safetensors.index.json"
@@ -115,27 +128,48 @@ def _reader(ckpt: Path):
 
 
 def load_shard_weights(ckpt: Path, cfg: ModelConfig, shard: Shard, dtype: torch.dtype, device) -> ModelWeights:
-    """This rank's fused per-layer weights (cfg: the full model's config)."""
+    """This rank's fused per-layer weights (cfg: the full model's config; its quantization: fp8
+    projections, read from the checkpoint or made here)."""
+    quant = cfg.quantization
+    check_device(device, quant, dtype)
     get_slice = _reader(Path(ckpt))
     to = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
     full = lambda key: to(get_slice(key)[:])  # noqa: E731
 
-    def part(key: str, module: str) -> torch.Tensor:
+    def part(key: str, module: str, cast=to) -> torch.Tensor:
         s = get_slice(key)
         out, inp = s.get_shape()
         if module in COLUMN:
             n = out // shard.world
-            return to(s[shard.rank * n : (shard.rank + 1) * n])
+            return cast(s[shard.rank * n : (shard.rank + 1) * n])
         n = inp // shard.world
-        return to(s[:, shard.rank * n : (shard.rank + 1) * n])
+        return cast(s[:, shard.rank * n : (shard.rank + 1) * n])
+
+    def fp8_part(key: str, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (q, s) of one module: its rows' scales (column) or the whole row's (row)."""
+        if quant.checkpoint:
+            rows = get_slice(key + ".weight").get_shape()[0]
+            q = part(key + ".weight", module, cast=lambda t: t)
+            s = channel_scales(key, _scale_or_none(get_slice, key), q, rows)
+            return fp8_pair(key, q, _cut(s, 0, shard) if module in COLUMN else s, device)
+        if module in COLUMN:
+            return quantize(part(key + ".weight", module, cast=lambda t: t.to(device)))
+        whole = get_slice(key + ".weight")[:].to(device)
+        return quantize(_cut(whole, 1, shard), scale=channel_scale(whole))
 
     def layer(i: int) -> LayerWeights:
         p = f"model.layers.{i}."
-        proj = {
-            fused: torch.cat([part(f"{p}{block}.{m}.weight", m) for m in modules]).contiguous()
-            for fused, (block, modules) in FUSED.items()
-        }
-        return LayerWeights(full(p + "input_layernorm.weight"), full(p + "post_attention_layernorm.weight"), proj)
+        norms = full(p + "input_layernorm.weight"), full(p + "post_attention_layernorm.weight")
+        if quant is None:
+            proj = {
+                fused: torch.cat([part(f"{p}{block}.{m}.weight", m) for m in modules]).contiguous()
+                for fused, (block, modules) in FUSED.items()
+            }
+            return LayerWeights(*norms, proj)
+        pairs = {f: [fp8_part(f"{p}{block}.{m}", m) for m in ms] for f, (block, ms) in FUSED.items()}
+        proj = {f: torch.cat([q for q, _ in ps]).contiguous() for f, ps in pairs.items()}
+        check_shapes(proj, device)
+        return LayerWeights(*norms, proj, scale={f: torch.cat([s for _, s in ps]) for f, ps in pairs.items()})
 
     embed = full("model.embed_tokens.weight")
     head = embed if cfg.tie_word_embeddings else full("lm_head.weight")
