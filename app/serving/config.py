@@ -80,6 +80,7 @@ class AppArgs(_Strict):
     model_name: str | None = None  # the base model's `model` id in the API
     # None: float32 on the CPU, bfloat16 on CUDA; float64: a CPU reference precision
     dtype: Literal["float32", "bfloat16", "float16", "float64"] | None = None
+    quantization: Literal["fp8"] | None = None  # fp8 base projections, on sm_89+ GPUs (docs/models.md)
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     max_batch_size: int = Field(16, ge=1)
     max_tokens_per_step: int = Field(1024, ge=1)
@@ -283,6 +284,7 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         cuda_graphs=a.cuda_graphs,
         prefix_caching=a.prefix_caching,
         prefix_cache_max_blocks=a.prefix_cache_max_blocks,
+        quantization=a.quantization,
     )
     try:
         adapter_store = store_config(a.adapter_cache, a.adapter_source, a.max_lora_rank)

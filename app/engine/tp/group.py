@@ -56,7 +56,7 @@ def shard_model(rank: int, spec: WorkerSpec, device: torch.device, data, make_po
     """This rank's shard; make_pool(shape, PoolConfig) builds its adapter slots."""
     from transformers import AutoConfig
 
-    full = ModelConfig.from_hf(AutoConfig.from_pretrained(spec.model_path))
+    full = ModelConfig.from_hf(AutoConfig.from_pretrained(spec.model_path), spec.config.quantization)
     cfg = shard_config(full, spec.config.tensor_parallel_size)
     weights = load_shard_weights(
         Path(spec.model_path), full, Shard(rank, spec.config.tensor_parallel_size), spec.config.dtype, device
