@@ -1,41 +1,39 @@
-"""Consolidation-aware autoscaling for LoraReplica (Punica: ask for another GPU only when
-no replica has room; give back the ones that have gone idle).
+"""Consolidation-aware autoscaling for LoraReplica (Punica: replicas are full or given back).
 
-Each replica pushes `record_autoscaling_stats()` (running, waiting, max batch, free KV
-blocks, idle_since, draining) to the Serve controller every `metrics_interval_s`; the
-controller calls this policy every 0.1 s with those reports (`ctx.raw_metrics`, the
-latest sample of each replica is used) and the requests queued at the handles, i.e.
-waiting in the router for a replica with room (`ctx.total_queued_requests`).
+Each replica pushes `record_autoscaling_stats()` (running, waiting, max batch, KV blocks,
+idle_since, draining) to the Serve controller every `metrics_interval_s`; the controller
+calls this policy every 0.1 s with those reports (`ctx.raw_metrics`, the latest sample of
+each replica), the running replicas in the order Serve started them (`ctx.running_replicas`)
+and the requests queued at the handles, waiting in the router for a replica with room
+(`ctx.total_queued_requests`).
 
-Decisions (`decide`, a pure function):
-- up, when requests have waited for room for `upscale_delay_s` (queued at the router
-  beyond the batch room the replicas report, or queued in an engine whose batch or KV is
-  full): by as many replicas as that work needs (⌈waiting / max batch⌉, less
-  the replicas already starting), within max_replicas;
-- up by one, when every replica has been above `high_water` of its batch or of its KV
-  blocks for `upscale_delay_s` (not within `release_grace_s` of a release: the streams
-  of a released busy replica fill the others for a moment);
-- down, only by the replicas that have held no request for `downscale_delay_s` and
-  that Ray will stop (see below), and not while every other replica is above `high_water`
-  (the idle one is about to be needed); min_replicas may be 0: the next
-  request then waits at the handle while Serve starts a replica, Ray's cold-start path;
+Demand is counted in replicas: each replica's share of its batch or of its KV blocks,
+whichever is larger, plus the requests waiting for room over one replica's batch. The
+policy keeps a short history of it in `state`. Decisions (`decide`, a pure function):
+- up, when requests have waited for room for `upscale_delay_s`: by as many replicas as
+  that work needs (⌈waiting / max batch⌉, less those already starting), within max_replicas;
+- up, when the demand expected `upscale_lead_s` ahead (now plus its rise over
+  `trend_window_s`: the smaller slope of the window's two halves, so a step is no trend)
+  would fill the replicas above `high_water`, plus `min_idle_replicas` warm spares, for
+  `upscale_delay_s`: room before it is needed, since a replica takes seconds (CPU) to a
+  minute (GPU) to start;
+- down, only by the newest replicas (the ones Ray stops) that have held no request for
+  `downscale_delay_s`, and only while the demand of that whole window fits the rest;
 - otherwise hold. Every change is logged with its reason and counted in metrics.
 
-Which replicas go is Ray's choice, not the policy's: Serve's
-`deployment_scheduler._get_replicas_to_stop` stops replicas that are not running yet
-first, then those on the nodes with the fewest replicas, and on a node the newest
-first (one node: newest first). The router (cluster/router.py) breaks ties towards the
-oldest replica, so the idle replicas are usually the newest ones; the policy orders the
-replicas by the `started_at` they report and releases at once only the run of idle ones
-at the newest end, the ones Ray stops. The router keeps a busy replica busy, so a newer replica
-can stay busy while an older one idles: that older one is released after a further
-`busy_newer_wait_s`, Ray then stops the busy newer replica in its place, and the router
-sees it leave the running set: each of its streams is cancelled there and resumed on
-another replica (app/openai/client_stream.py), so no stream is lost.
+Which replicas go is Ray's choice: `deployment_scheduler._get_replicas_to_stop` stops
+replicas not running yet first, then those on the nodes with the fewest replicas, and on a
+node the newest first — the newest by the order they became running, which is the order of
+`ctx.running_replicas` and of the replica list the router gets. The router
+(cluster/router.py) feeds the newest replica only when no other has room, so it is the one
+that empties as load falls; the policy releases it once it has been idle for the delay and
+never releases an idle replica behind a busy newer one (Ray would stop the busy one). A
+release that still cut a request (one routed to it after its last report) shows in the
+router's `loraplex_autoscaler_busy_releases` counter.
 
 The delays are applied here, per replica and per waiting request, so `ray_autoscaling
-_config` hands them to the policy and sets Ray's own delay timer (which counts
-consecutive decisions on top) to 0.
+_config` hands them to the policy and sets Ray's own delay timer (which counts consecutive
+decisions on top) to 0.
 """
 
 from __future__ import annotations
@@ -49,19 +47,20 @@ log = logging.getLogger("ray.serve")
 
 POLICY_PATH = "cluster.autoscaling:ConsolidatingPolicy"
 DEFAULTS = {"upscale_delay_s": 1.0, "downscale_delay_s": 30.0, "metrics_interval_s": 1.0, "look_back_period_s": 3.0}
+POLICY_KEYS = ("high_water", "min_idle_replicas", "trend_window_s", "upscale_lead_s")
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
     upscale_delay_s: float = 1.0
     downscale_delay_s: float = 30.0
-    # share of max batch or of KV blocks above which a replica counts as full: below 1, so the
-    # next replica starts while the last quarter of the batches fills, not once requests wait
+    # share of a replica's batch or KV the demand may fill before another replica is asked for:
+    # below 1, so the next one starts while the last quarter of the batches fills
     high_water: float = 0.75
-    release_grace_s: float = 10.0  # a replica asked to go, or made to take another's streams, is not counted
-    # idle again for this long
-    busy_newer_wait_s: float | None = None  # how long an idle replica waits for busier newer ones to empty
-    # before one of those is released in its place (its streams migrate); None = downscale_delay_s
+    release_grace_s: float = 10.0  # a released replica Serve still lists as running is not counted again
+    min_idle_replicas: int = 0  # warm spares beyond the demand (replica-seconds for tail latency)
+    trend_window_s: float = 10.0  # the demand's slope is fitted over this window
+    upscale_lead_s: float = 10.0  # how far ahead the trend is followed: about a replica's start time
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ class ReplicaLoad:
     total_kv_blocks: int
     idle_since: float  # wall time the replica's last request left; 0 while it holds one
     draining: bool
-    started_at: float = 0.0  # Ray stops the newest first
+    started_at: float = 0.0
 
     @classmethod
     def from_report(cls, replica: str, r: dict[str, float]) -> ReplicaLoad:
@@ -90,6 +89,13 @@ class ReplicaLoad:
             float(r.get("started_at", 0.0)),
         )
 
+    def share(self) -> float:
+        """How much of one replica this one's load takes: batch or KV, whichever is fuller."""
+        if self.running + self.waiting == 0:
+            return 0.0
+        used_kv = self.total_kv_blocks - self.free_kv_blocks
+        return max((self.running + self.waiting) / max(1, self.max_batch), used_kv / max(1, self.total_kv_blocks))
+
     def full(self, high_water: float) -> bool:
         used_kv = self.total_kv_blocks - self.free_kv_blocks
         return self.running >= high_water * self.max_batch or used_kv >= high_water * self.total_kv_blocks
@@ -101,7 +107,7 @@ class ReplicaLoad:
 @dataclass(frozen=True)
 class Decision:
     target: int
-    reason: str  # cold_start | queue | high_water | idle | idle_behind_busy | hold
+    reason: str  # cold_start | queue | high_water | trend | spare | idle | hold
     detail: str
     going: tuple[str, ...] = ()  # the replicas Ray will stop, newest first
 
@@ -118,27 +124,25 @@ def decide(
     state: dict,
     unreported: int = 0,
 ) -> Decision:
-    """The target replica count. ``state`` (mutated) keeps when waiting / all-full began and
-    which replicas were released or made to take a released one's streams, and when.
+    """The target replica count. ``loads``: the running replicas that reported, oldest first
+    in Serve's order (Ray stops the last first). ``state`` (mutated) keeps when waiting and a
+    shortfall began, the demand's recent history, and which replicas were released when.
     ``unreported``: running replicas with no report yet (just started: the newest, with room)."""
     live = [r for r in loads if not r.draining]
-    # Requests queued at the router count only beyond the room the replicas report: the
-    # router holds a request a moment longer than needed while a replica's report still
-    # lists requests that have finished. queued is Ray's mean over look_back_period_s: a
-    # request that waited for less than half of it is no queue.
-    # An engine's waiting requests count when its batch or KV is full: with room, they are
-    # just requests that arrived since its last step.
-    room = sum(max(0, r.max_batch - r.running - r.waiting) for r in live)
+    # Requests queued at the router count only beyond the room the replicas report (the router
+    # may hold a request a moment on a stale report); queued is Ray's mean over
+    # look_back_period_s, so a request that waited less than half of it is no queue. An
+    # engine's waiting requests count when its batch or KV is full: with room they are just
+    # requests that arrived since its last step.
+    max_batch = max((r.max_batch for r in live), default=1)
+    # a replica that runs but has not reported yet has just started: its whole batch is room
+    room = sum(max(0, r.max_batch - r.running - r.waiting) for r in live) + unreported * max_batch
     held = math.floor(queued + 0.5)
     waiting = max(0, held - room) + sum(
         r.waiting if r.full(cfg.high_water) else max(0, r.running + r.waiting - r.max_batch) for r in live
     )
-    max_batch = max((r.max_batch for r in live), default=1)
     starting = max(0, target - current) + unreported  # replicas about to take work
-    need = math.ceil(waiting / max_batch) if waiting > 0 else 0
-    hot = bool(live) and all(r.full(cfg.high_water) for r in live)
     waited = _since(state, "waiting_since", waiting > 0, now)
-    hot_for = _since(state, "full_since", hot, now)
     if current == 0 and target == 0:
         # no report yet says how much one replica holds: start one, the queue rule adds the rest
         return (
@@ -146,56 +150,84 @@ def decide(
             if queued > 0
             else Decision(0, "hold", "no replica, no request")
         )
+    need = math.ceil(waiting / max_batch) if waiting > 0 else 0
     if waiting > 0 and waited >= cfg.upscale_delay_s and need > starting:
         new = min(max_replicas, max(target, current + need))
         if new > target:
             return Decision(
                 new, "queue", f"{waiting:.1f} requests waited {waited:.1f}s for room, {starting} replica(s) starting"
             )
-    just_released = any(now - t < cfg.release_grace_s for t in (state.get("released") or {}).values())
-    if hot and hot_for >= cfg.upscale_delay_s and starting == 0 and not just_released and target < max_replicas:
+    demand = sum(r.share() for r in live) + waiting / max_batch
+    level, wanted = _wanted(now, demand, cfg, state)
+    serving = target - (len(loads) - len(live))  # draining replicas hold no new work
+    short_for = _since(state, "short_since", wanted > serving, now)
+    if wanted > serving and short_for >= cfg.upscale_delay_s and target < max_replicas:
+        why = "high_water" if level > serving else "trend" if wanted - cfg.min_idle_replicas > serving else "spare"
         return Decision(
-            target + 1, "high_water", f"every replica above {cfg.high_water:.0%} of batch or KV for {hot_for:.1f}s"
+            min(max_replicas, target + wanted - serving),
+            why,
+            f"demand {demand:.2f} replicas wants {wanted} ({level} now at {cfg.high_water:.0%}), {serving} serving",
         )
-    if held or waiting or hot or current != target or unreported:
+    if held or waiting or current != target or unreported:
         return Decision(target, "hold", "busy or replicas starting/stopping")
-    return _release_idle(now, target, live, min_replicas, cfg, state)
+    return _release_idle(now, target, live, max(min_replicas, _recent_peak(now, cfg, state)), cfg, state)
+
+
+def _wanted(now: float, demand: float, cfg: PolicyConfig, state: dict) -> tuple[int, int]:
+    """Replicas the demand fills to `high_water` now, and those it wants: `upscale_lead_s`
+    ahead on its trend, plus the warm spares. Records the demand and the answer in ``state``."""
+    history = [(t, d) for t, d in state.get("demand") or () if now - t <= cfg.trend_window_s] + [(now, demand)]
+    state["demand"] = history
+    ahead = demand + max(0.0, _slope(history, cfg.trend_window_s)) * cfg.upscale_lead_s
+    wanted = _replicas(ahead, cfg) + cfg.min_idle_replicas
+    state["wanted"] = [(t, w) for t, w in state.get("wanted") or () if now - t <= cfg.downscale_delay_s]
+    state["wanted"].append((now, wanted))
+    return _replicas(demand, cfg), wanted
+
+
+def _replicas(demand: float, cfg: PolicyConfig) -> int:
+    return math.ceil(demand / cfg.high_water - 1e-9) if demand > 0 else 0
+
+
+def _slope(history: list[tuple[float, float]], window: float) -> float:
+    """How fast the demand rises (replicas per second): the smaller of the least-squares slopes
+    over the window's two halves. A ramp rises in both; a step (a burst, a closed loop
+    starting) rises in one half only and reads as no trend."""
+    if not history:
+        return 0.0
+    mid = history[-1][0] - window / 2
+    return min(_ls_slope([p for p in history if p[0] < mid]), _ls_slope([p for p in history if p[0] >= mid]))
+
+
+def _ls_slope(points: list[tuple[float, float]]) -> float:
+    if len(points) < 2:
+        return 0.0
+    mt = sum(t for t, _ in points) / len(points)
+    md = sum(d for _, d in points) / len(points)
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return sum((t - mt) * (d - md) for t, d in points) / var if var > 0 else 0.0
+
+
+def _recent_peak(now: float, cfg: PolicyConfig, state: dict) -> int:
+    """The most replicas the demand wanted over the last downscale_delay_s: a release keeps them."""
+    return max((w for t, w in state.get("wanted") or () if now - t <= cfg.downscale_delay_s), default=0)
 
 
 def _release_idle(
-    now: float, target: int, live: list[ReplicaLoad], min_replicas: int, cfg: PolicyConfig, state: dict
+    now: float, target: int, live: list[ReplicaLoad], floor: int, cfg: PolicyConfig, state: dict
 ) -> Decision:
-    """Down by the replicas idle for the delay that Ray will stop: those at the newest end.
-    An idle replica older than a busy one would make Ray stop the busy one: it counts only
-    once it has waited `busy_newer_wait_s` more (the busy one may empty meanwhile); then the
-    busy replica's streams migrate as it stops, most likely onto that idle replica, which is
-    therefore not counted idle again for a while."""
-    # Serve may list a replica it is stopping as running for a moment: count each once.
-    released, spent = _recent(state, "released", now, cfg), _recent(state, "spent", now, cfg)
-    newest_first = sorted((r for r in live if r.replica not in released), key=lambda r: -r.started_at)
-    idle_for = [0.0 if r.replica in spent else r.idle_for(now) for r in newest_first]
-    at_end = next((i for i, t in enumerate(idle_for) if t < cfg.downscale_delay_s), len(idle_for))
-    patience = cfg.downscale_delay_s if cfg.busy_newer_wait_s is None else cfg.busy_newer_wait_s
-    patient = [r.replica for r, t in zip(newest_first, idle_for) if t >= cfg.downscale_delay_s + patience]
-    count = min(max(at_end, len(patient)), target - min_replicas)
-    # keep an idle replica while every other is above high water: it is about to be needed
-    # (releasing it now brought a scale-up right after, and the streams routed to it meanwhile moved)
-    while count > 0 and all(r.full(cfg.high_water) for r in newest_first[count:]) and newest_first[count:]:
-        count -= 1
+    """Down by the replicas at the newest end (the ones Ray stops) idle for the delay, never
+    below ``floor``. An idle replica behind a busy newer one stays: Ray would stop the busy
+    one; the router feeds the newest only when no other has room, so it empties soon."""
+    released = _recent(state, "released", now, cfg)  # Serve may list a replica it stops as running
+    newest_first = [r for r in reversed(live) if r.replica not in released]
+    count = next((i for i, r in enumerate(newest_first) if r.idle_for(now) < cfg.downscale_delay_s), len(newest_first))
+    count = min(count, target - floor)
     if count <= 0:
         return Decision(target, "hold", "steady")
-    going = tuple(r.replica for r in newest_first[:count])  # what Ray stops, newest first
+    going = tuple(r.replica for r in newest_first[:count])
     released.update({r: now for r in going})
-    if count <= at_end:
-        return Decision(target - count, "idle", f"{count} replica(s) idle for >= {cfg.downscale_delay_s:g}s", going)
-    spent.update({r: now for r in patient if r not in going})
-    return Decision(
-        target - count,
-        "idle_behind_busy",
-        f"{len(patient)} replica(s) idle for >= {cfg.downscale_delay_s + patience:g}s behind busier "
-        f"newer ones, which Ray stops: their streams migrate",
-        going,
-    )
+    return Decision(target - count, "idle", f"{count} replica(s) idle for >= {cfg.downscale_delay_s:g}s", going)
 
 
 def _recent(state: dict, key: str, now: float, cfg: PolicyConfig) -> dict[str, float]:
@@ -215,7 +247,8 @@ def _since(state: dict, key: str, condition: bool, now: float) -> float:
 
 
 def latest_loads(raw_metrics: dict | None, running_replicas) -> list[ReplicaLoad]:
-    """Each running replica's newest report (ctx.raw_metrics: metric → replica → time series)."""
+    """Each running replica's newest report (ctx.raw_metrics: metric → replica → time series),
+    in the order of ``running_replicas``: Serve's, oldest first."""
     loads = []
     for replica in running_replicas:
         report = {}
@@ -234,19 +267,15 @@ class ConsolidatingPolicy:
     """Ray Serve's class-callable policy form: instantiated once in the controller with
     the autoscaling config's `policy_kwargs`, then called with an AutoscalingContext."""
 
-    def __init__(
-        self,
-        upscale_delay_s: float = 1.0,
-        downscale_delay_s: float = 30.0,
-        high_water: float = 0.75,
-        busy_newer_wait_s: float | None = None,
-    ):
-        self.cfg = PolicyConfig(upscale_delay_s, downscale_delay_s, high_water, busy_newer_wait_s=busy_newer_wait_s)
+    STATE = ("waiting_since", "short_since", "released", "demand", "wanted")
+
+    def __init__(self, upscale_delay_s: float = 1.0, downscale_delay_s: float = 30.0, **kwargs):
+        self.cfg = PolicyConfig(upscale_delay_s, downscale_delay_s, **kwargs)
         self._metrics = None
 
     def __call__(self, ctx) -> tuple[int, dict]:
         now = ctx.current_time or time.time()
-        state = {k: ctx.policy_state.get(k) for k in ("waiting_since", "full_since", "released", "spent")}
+        state = {k: ctx.policy_state.get(k) for k in self.STATE}
         loads = latest_loads(ctx.raw_metrics, ctx.running_replicas)
         d = decide(
             now,
@@ -264,7 +293,7 @@ class ConsolidatingPolicy:
         if d.target != ctx.target_num_replicas:
             seen = ", ".join(f"{r.replica} {r.running}+{r.waiting} idle {r.idle_for(now):.1f}s" for r in loads)
             log.info(
-                "autoscaling %s: %d -> %d replicas (%s: %s)%s; replicas: %s",
+                "autoscaling %s: %d -> %d replicas (%s: %s)%s; replicas, oldest first: %s",
                 ctx.deployment_name,
                 ctx.target_num_replicas,
                 d.target,
@@ -311,14 +340,19 @@ class _PolicyMetrics:
 
 def ray_autoscaling_config(user: dict) -> dict:
     """serve_config.yaml's `replica.autoscaling_config` → what Ray Serve gets. Without a
-    `policy` of its own the deployment uses ConsolidatingPolicy: the delays move into its
-    kwargs and Ray's delay timer is zeroed, so they are not applied twice. A config that
-    names a policy (e.g. Ray's default) is passed through untouched."""
+    `policy` of its own the deployment uses ConsolidatingPolicy: the delays and the policy's
+    keys move into its kwargs and Ray's delay timer is zeroed, so they are not applied twice.
+    A config that names a policy (e.g. Ray's default) is passed through untouched."""
     if "policy" in user:
         return dict(user)
+    if "busy_newer_wait_s" in user:
+        raise ValueError(
+            "autoscaling_config.busy_newer_wait_s is no longer supported: an idle replica behind a busy "
+            "newer one now waits for that one to empty (only idle replicas are released)"
+        )
     config = {**DEFAULTS, **user}
     kwargs = {"upscale_delay_s": config.pop("upscale_delay_s"), "downscale_delay_s": config.pop("downscale_delay_s")}
-    for key in ("high_water", "busy_newer_wait_s"):
+    for key in POLICY_KEYS:
         if key in config:
             kwargs[key] = config.pop(key)
     config.pop("downscale_to_zero_delay_s", None)

@@ -1,20 +1,27 @@
 """Punica's consolidating request router for LoraReplica.
 
-A request goes to the replica with the *largest* current batch that still has
-room (batch below its limit and enough free KV blocks for the prompt plus a
-reserve); ties → one that recently admitted a request of the same adapter and prefix
-head (its prefix cache likely holds that prompt's KV: cluster/stats.py prefix_head), then
-the oldest replica (Serve's downscale stops the newest first, so the released replicas
-are the idle ones); among equals, one where the adapter is already resident. Replica stats are stale by up to the polling period, so the
+A request goes to the replica with the *largest* current batch that still has room
+(batch below its limit and enough free KV blocks for the prompt plus a reserve), except
+that the newest replica goes last: Serve's downscale stops the newest first
+(`deployment_scheduler._get_replicas_to_stop`, by the order replicas became running, which
+is the order of the replica list Serve gives the router), so it is fed only when no other
+replica has room, and it empties first as load falls. Ties → one that recently admitted a
+request of the same adapter and prefix head (its prefix cache likely holds that prompt's
+KV: cluster/stats.py prefix_head), then the oldest replica; among equals, one where the
+adapter is already resident. Replica stats are stale by up to the polling period, so the
 router counts each request on the replica it chose for it, from the moment it chose it
 until the replica's report lists the request among its arrivals (cluster/stats.py); a
 request that ends is taken off the count at once (Serve tells the router), off the report
-until a report lists its departure. No
-replica with room → the request waits and Serve retries it (every 10–100 ms) until one
-has room; `max_queued_requests` bounds that queue. Waiting requests are retried in
-arrival order as far as Serve's routing tasks go (at most two per replica at once): a
-strict first-come-first-served gate here would deadlock, since the oldest waiting
-request need not hold a routing task.
+until a report lists its departure. No replica with room → the request waits and Serve
+retries it (every 10–100 ms) until one has room; `max_queued_requests` bounds that queue.
+Waiting requests are retried in arrival order as far as Serve's routing tasks go (at most
+two per replica at once): a strict first-come-first-served gate here would deadlock, since
+the oldest waiting request need not hold a routing task.
+
+A replica that leaves the running set while requests routed to it are unfinished, and was
+not seen to die, was released busy: `loraplex_autoscaler_busy_releases` counts it (its
+streams move to other replicas, app/openai/client_stream.py). The autoscaler
+(cluster/autoscaling.py) is built so that it stays 0.
 
 `rank` is the whole policy as a pure function (tested without Ray);
 `ConsolidatingRouter` feeds it from Serve and follows its order.
@@ -38,6 +45,12 @@ log = logging.getLogger("ray.serve")
 
 
 _leaving_listeners: list[Callable[[set[str]], None]] = []
+_busy_releases: list[tuple[float, str, int]] = []  # (when, replica, unfinished requests), this process
+
+
+def busy_releases() -> list[tuple[float, str, int]]:
+    """Every busy release the routers of this process saw: (when, replica id, requests cut)."""
+    return list(_busy_releases)
 
 
 def on_replicas_leaving(listener: Callable[[set[str]], None]) -> None:
@@ -54,6 +67,13 @@ class ReplicaView:
     stats: ReplicaStats | None  # None until its first report
     sent: int = 0  # batch rows routed to it that the report does not count, less those that ended since
     sent_blocks: int = 0  # KV blocks the same requests need (negative: freed since the report)
+    position: int | None = None  # in Serve's running order, oldest 0 (None: by started_at)
+
+    def age(self) -> float:
+        """Larger is newer, as Serve orders replicas for a scale-down (unreported = newest)."""
+        if self.position is not None:
+            return float(self.position)
+        return self.stats.started_at if self.stats else math.inf
 
 
 @dataclass(frozen=True)
@@ -91,20 +111,26 @@ def _room(v: ReplicaView, need: Need, p: Policy) -> bool:
     )
 
 
-def _key(v: ReplicaView, need: Need):
+def _key(v: ReplicaView, need: Need, newest: str | None):
     s = v.stats
     batch = v.sent + (s.batch if s else 0)
-    started = s.started_at if s else math.inf  # unreported = just started = newest
     resident = bool(s and need.adapter and need.adapter in s.resident_adapters)
     warm = bool(s and need.head and need.head in s.prefix_heads)
-    return -batch, not warm, started, not resident, v.replica_id
+    return v.replica_id == newest, -batch, not warm, v.age(), not resident, v.replica_id
+
+
+def next_to_stop(views: list[ReplicaView]) -> str | None:
+    """The replica a scale-down stops first (the newest of those serving); None with one."""
+    serving = [v for v in views if not (v.stats and v.stats.draining)]
+    return max(serving, key=ReplicaView.age).replica_id if len(serving) > 1 else None
 
 
 def rank(views: list[ReplicaView], need: Need, policy: Policy) -> list[str]:
     """Replica ids with room for ``need``, best first (empty: the request must wait)."""
     roomy = [v for v in views if v.replica_id not in need.avoid and _room(v, need, policy)]
     elsewhere = [v for v in roomy if v.replica_id != need.migrated_from]
-    return [v.replica_id for v in sorted(elsewhere or roomy, key=lambda v: _key(v, need))]
+    newest = next_to_stop(views)
+    return [v.replica_id for v in sorted(elsewhere or roomy, key=lambda v: _key(v, need, newest))]
 
 
 def unreported(
@@ -161,6 +187,11 @@ class ConsolidatingRouter(RequestRouter):
         self._chosen: dict[int, tuple[str, tuple[float, str, int, int]]] = {}  # id(pending) → (replica, sent entry)
         self._routed_ids: dict[str, tuple[str, tuple[float, str, int, int]]] = {}  # internal request id → same
         self._ended: dict[str, list[tuple[float, str, int, int]]] = defaultdict(list)  # replica → [(ended at, …)]
+        self._order: dict[str, int] = {}  # replica → position in Serve's running order (oldest 0)
+        self._died: set[str] = set()  # replicas a request found dead: their leaving is no release
+        self._busy_releases = Counter(
+            "loraplex_autoscaler_busy_releases", "replicas that left the running set holding requests routed to them"
+        )
         self._routed = Counter(
             "loraplex_router_requests_routed", "requests routed, by replica", tag_keys=("target_replica",)
         )
@@ -225,10 +256,16 @@ class ConsolidatingRouter(RequestRouter):
         else:
             self._ended[rid].append((time.time(), *entry[1:]))
 
+    def on_replica_actor_died(self, replica_id) -> None:
+        self._died.add(replica_id.unique_id)
+        super().on_replica_actor_died(replica_id)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        before = {r.unique_id for r in self._replica_id_set}
+        before = {r.unique_id for r in self._replica_id_set} | set(self._order)
         super().update_replicas(replicas)
-        gone = before - {r.replica_id.unique_id for r in replicas}
+        self._order = {r.replica_id.unique_id: i for i, r in enumerate(replicas)}
+        gone = before - set(self._order)
+        self._count_busy_releases(gone)
         for rid in gone:
             self._sent.pop(rid, None)
             self._ended.pop(rid, None)
@@ -236,6 +273,16 @@ class ConsolidatingRouter(RequestRouter):
         if gone:  # stopped by a scale-down (or dead): streams still on them move now
             for listener in _leaving_listeners:
                 listener(gone)
+
+    def _count_busy_releases(self, gone: set[str]) -> None:
+        """A replica that left holding requests this router sent it, not seen dead: released busy."""
+        for rid in gone - self._died:
+            cut = sum(1 for r, _ in self._routed_ids.values() if r == rid)
+            if cut:
+                _busy_releases.append((time.time(), rid, cut))
+                self._busy_releases.inc()
+                log.warning("replica %s left the running set with %d request(s) routed to it unfinished", rid, cut)
+        self._died -= gone
 
     def _entry(self, need: Need) -> tuple[float, str, int, int]:
         return time.time(), need.key, need.blocks(self.policy.block_size), need.rows
@@ -250,4 +297,5 @@ class ConsolidatingRouter(RequestRouter):
         sent = self._sent[rid] = unreported(self._sent.get(rid, []), stats)
         ended = self._ended[rid] = undeparted(self._ended.get(rid, []), stats)
         rows = sum(e[3] for e in sent) - sum(e[3] for e in ended)
-        return ReplicaView(rid, stats, rows, sum(e[2] for e in sent) - sum(e[2] for e in ended))
+        blocks = sum(e[2] for e in sent) - sum(e[2] for e in ended)
+        return ReplicaView(rid, stats, rows, blocks, self._order.get(rid))

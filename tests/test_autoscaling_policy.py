@@ -1,5 +1,8 @@
 """The autoscaling policy's decisions as a pure function (no Ray), and how serve_config's
-autoscaling_config becomes Ray's."""
+autoscaling_config becomes Ray's. Loads are listed oldest first, in Serve's order: Ray stops
+the last first."""
+
+import pytest
 
 from app.serving.config import parse_args
 from cluster.autoscaling import POLICY_PATH, PolicyConfig, ReplicaLoad, decide, ray_autoscaling_config
@@ -70,7 +73,7 @@ def test_max_replicas_bounds_the_scale_up():
     assert d.target == 4
 
 
-def test_every_replica_above_high_water_adds_one():
+def test_demand_above_high_water_adds_what_it_needs():
     full = [load("a", running=8), load("b", running=2, free_kv=5)]  # batch full / KV 95 % used
     ds = run([(0.0, full, 0), (2.5, full, 0)], target=2, current=2)
     assert [(d.reason, d.target) for d in ds] == [("hold", 2), ("high_water", 3)]
@@ -79,52 +82,71 @@ def test_every_replica_above_high_water_adds_one():
 
 
 def test_down_only_by_the_replicas_idle_for_the_delay_at_the_newest_end():
-    loads = [
-        load("a", running=3, started_at=1),
-        load("b", idle_since=100.0, started_at=2),
-        load("c", idle_since=105.0, started_at=3),
-    ]
+    loads = [load("a", running=3), load("b", idle_since=100.0), load("c", idle_since=105.0)]
     # b has been idle for the delay, but Ray would stop c, the newest, idle for only 6 s
     assert decide(111.0, 3, 3, loads, 0, 0, 8, CFG, {}).target == 3
     d = decide(116.0, 3, 3, loads, 0, 0, 8, CFG, {})
     assert (d.reason, d.target, d.going) == ("idle", 1, ("c", "b"))
 
 
-def test_an_idle_replica_stays_while_every_other_is_above_high_water():
-    full = [
-        load("a", running=8, started_at=1),
-        load("b", running=8, started_at=2),
-        load("c", idle_since=1.0, started_at=3),
-    ]
+def test_no_downscale_while_the_replica_ray_would_stop_was_busy_within_the_delay():
+    # "new" held a request until 105: however long "old" has idled, nothing goes before 115
+    loads = [load("old", idle_since=1.0), load("new", idle_since=105.0)]
+    ticks = [(t, loads, 0) for t in (106.0, 110.0, 114.9)]
+    assert {d.target for d in run(ticks, target=2, current=2)} == {2}
+    d = decide(115.0, 2, 2, loads, 0, 0, 8, CFG, {})
+    assert (d.reason, d.going) == ("idle", ("new", "old"))
+    # still busy: never, and an idle older replica does not make Ray stop it
+    busy = [load("old", idle_since=1.0), load("new", running=1)]
+    assert {d.target for d in run([(t, busy, 0) for t in range(0, 600, 5)], target=2, current=2)} == {2}
+
+
+def test_the_order_serve_lists_decides_which_goes_not_the_reported_start_time():
+    loads = [load("first", idle_since=1.0, started_at=9.0), load("second", running=2, started_at=1.0)]
+    assert decide(500.0, 2, 2, loads, 0, 0, 8, CFG, {}).target == 2  # Ray stops "second", which is busy
+
+
+def test_an_idle_replica_stays_while_the_demand_of_the_delay_needs_it():
+    full = [load("a", running=8), load("b", running=8), load("c", idle_since=1.0)]
     assert decide(50.0, 3, 3, full, 0, 0, 8, CFG, {}).target == 3
-    room = [full[0], load("b", running=4, started_at=2), full[2]]
+    room = [full[0], load("b", running=4), full[2]]
     d = decide(50.0, 3, 3, room, 0, 0, 8, CFG, {})
     assert (d.reason, d.target, d.going) == ("idle", 2, ("c",))
+    # the demand wanted 3 replicas until 55: c stays until that has left the delay's window
+    ticks = [(t, full, 0) for t in (50.0, 55.0)] + [(t, room, 0) for t in (56.0, 64.0, 65.5)]
+    assert [d.target for d in run(ticks, target=3, current=3)] == [3, 3, 3, 3, 2]
 
 
-def test_an_idle_replica_behind_a_busy_newer_one_waits_then_the_busy_one_goes():
-    loads = [load("old", idle_since=100.0, started_at=1), load("new", running=2, started_at=2)]
-    assert decide(115.0, 2, 2, loads, 0, 0, 8, CFG, {}).target == 2  # Ray would stop "new": give it time to empty
-    state = {}
-    d = decide(120.0, 2, 2, loads, 0, 0, 8, CFG, state)  # idle for the delay twice over
-    assert (d.reason, d.target, d.going) == ("idle_behind_busy", 1, ("new",))
-    # "old" will take the streams that move: it does not justify another release meanwhile,
-    # and full with them it asks for no replica either
-    assert decide(120.2, 1, 1, [loads[0]], 0, 0, 8, CFG, state).target == 1
-    full = [load("old", running=8, started_at=1)]
-    assert decide(125.0, 1, 1, full, 0, 0, 8, CFG, {**state, "full_since": 120.5}).target == 1
-    emptied = [loads[0], load("new", idle_since=108.0, started_at=2)]
-    d = decide(119.0, 2, 2, emptied, 0, 0, 8, CFG, {})  # it emptied in time: both are idle, nothing migrates
-    assert (d.reason, d.target, d.going) == ("idle", 0, ("new", "old"))
+def test_upscale_on_a_rising_trend_before_any_request_waits():
+    # one replica of batch 8 filling by one request a second: nothing waits, the level wants one
+    # replica, but 10 s ahead (upscale_lead_s) the demand would fill it past high water
+    ticks = [(t / 2, [load("a", running=1 + t // 4)], 0) for t in range(25)]
+    ds = run(ticks, target=1, current=1)
+    assert all(r.waiting == 0 and r.running < 0.9 * 8 for _, (r,), _ in ticks)
+    assert [(d.reason, d.target) for d in ds if d.reason != "hold"][0] == ("trend", 2)
+    flat = [(float(t), [load("a", running=5)], 0) for t in range(30)]
+    assert {d.target for d in run(flat, target=1, current=1)} == {1}  # the same level, steady: no trend
+    # a step (a burst, closed loops starting) rises in one half of the window only: no trend
+    step = [(t / 2, [load("a", running=0 if t < 10 else 6, idle_since=0.0)], 0) for t in range(40)]
+    assert {d.target for d in run(step, target=1, current=1)} == {1}
+
+
+def test_min_idle_replicas_keeps_a_warm_spare():
+    spare = PolicyConfig(upscale_delay_s=2.0, downscale_delay_s=10.0, high_water=0.9, min_idle_replicas=1)
+    ticks = [(float(t), [load("a", running=3)], 0) for t in range(4)]
+    assert [(d.reason, d.target) for d in run(ticks, 1, 1, cfg=spare) if d.reason != "hold"][0] == ("spare", 2)
+    kept = [load("a", running=3), load("b", idle_since=1.0)]
+    assert decide(500.0, 2, 2, kept, 0, 0, 8, spare, {}).target == 2
+    assert decide(500.0, 2, 2, kept, 0, 0, 8, CFG, {}).target == 1
 
 
 def test_a_replica_released_once_is_not_counted_again_while_serve_stops_it():
-    loads = [load("a", running=3, started_at=1), load("b", idle_since=1.0, started_at=2)]
+    loads = [load("a", running=3), load("b", idle_since=1.0)]
     state = {}
     assert decide(50.0, 2, 2, loads, 0, 0, 8, CFG, state).target == 1
     # Serve still lists b as running (current = target = 1 after its own bookkeeping)
     assert decide(50.2, 1, 1, loads, 0, 0, 8, CFG, state).target == 1
-    assert decide(61.0, 1, 1, loads, 0, 0, 8, CFG, state).target == 0  # still there after the grace: counted again
+    assert decide(61.0, 2, 2, loads, 0, 0, 8, CFG, state).target == 1  # still there after the grace: counted again
 
 
 def test_never_below_min_replicas_and_scale_to_zero_when_allowed():
@@ -147,12 +169,12 @@ def test_a_running_replica_that_has_not_reported_holds_the_downscale_and_counts_
     loads = [load("a", idle_since=1.0, started_at=1)]  # b runs but has not reported: it is the newest
     assert decide(50.0, 2, 2, loads, 0, 0, 8, CFG, {}, unreported=1).target == 2
     busy = [load("a", running=8, started_at=1)]
-    assert decide(50.0, 2, 2, busy, 8, 0, 8, CFG, {"waiting_since": 0.0, "full_since": 0.0}, unreported=1).target == 2
+    assert decide(50.0, 2, 2, busy, 8, 0, 8, CFG, {"waiting_since": 0.0, "short_since": 0.0}, unreported=1).target == 2
 
 
 def test_draining_and_unreported_replicas_are_neither_idle_nor_full():
     loads = [load("a", running=8), load("b", idle_since=1.0, draining=True)]
-    d = decide(50.0, 2, 2, loads, 0, 0, 8, CFG, {"full_since": 0.0})
+    d = decide(50.0, 2, 2, loads, 0, 0, 8, CFG, {"short_since": 0.0})
     assert (d.reason, d.target) == ("high_water", 3)
 
 
@@ -181,3 +203,13 @@ def test_config_moves_the_delays_into_the_policy():
     assert ray_autoscaling_config(own) == own
     options = parse_args({"replica": {"autoscaling_config": {"max_replicas": 2}}}, "m").replica_options
     assert options["autoscaling_config"]["policy"]["policy_function"] == POLICY_PATH
+    keys = ray_autoscaling_config({"min_idle_replicas": 1, "upscale_lead_s": 30, "trend_window_s": 20})
+    assert keys["policy"]["policy_kwargs"] == {
+        "upscale_delay_s": 1.0,
+        "downscale_delay_s": 30.0,
+        "min_idle_replicas": 1,
+        "trend_window_s": 20,
+        "upscale_lead_s": 30,
+    }
+    with pytest.raises(ValueError, match="busy_newer_wait_s"):
+        ray_autoscaling_config({"busy_newer_wait_s": 5})

@@ -1,7 +1,10 @@
 """Autoscaling and engine metrics on real Ray Serve (one local Ray cluster for the module):
-ramp up then down and to zero and back, a scale-down that stops a replica still
-streaming, no flapping under steady load, and the engine's series on Ray's Prometheus
-endpoint.
+ramp up then down and to zero and back, an idle replica behind a busy newer one (Ray would
+stop the busy one: nothing goes until it has emptied), no flapping under steady load, and the
+engine's series on Ray's Prometheus endpoint. Each event is forced (streams held open until
+the replica they wait for serves); the property asserted is that Serve released only idle
+replicas: the routers of this process saw no release cut a request (cluster.router
+busy_releases) and no stream moved.
 
 Replicas run the simulated engine core (tests/simulated_engine.py: the real scheduler, a
 fixed 50 ms step instead of a model), so a stream's length is known and three replicas
@@ -20,9 +23,10 @@ import uuid
 
 import pytest
 
+from app.protocol import GenerateRequest, SamplingParams
+from cluster.router import busy_releases
 from tests.app_fixtures import delete_apps, shared_serve, wait_for
 from tests.autoscaling_checks import complete, deploy, expected_text, in_threads, joined
-from tests.cluster_fixtures import router_reports
 from tests.replica_watch import ReplicaWatch
 
 
@@ -43,99 +47,105 @@ def steady_app(cluster):
     return "steady"
 
 
-def _router_idle(app: str) -> bool:
-    """Every replica in the router's copy of the reports is empty (one being stopped drops out)."""
-    reports = router_reports(app)
-    return bool(reports) and all(r.batch == 0 for r in reports.values())
+def assert_released_idle(watch: ReplicaWatch, name: str, delay: float, routing_log: list) -> None:
+    """Serve stopped ``name`` only after it had held nothing for ``delay``: every report it took
+    (by its own clock, so a late answer is no false alarm) in the delay before it went shows it
+    empty, and no request was accepted there in that window."""
+    gone = watch.gone_at(name)
+    assert gone is not None, name
+    before = [s for s in watch.samples_since(name, 0.0) if gone - delay <= s["reported_at"] <= gone]
+    assert all(s["running"] == s["waiting"] == s["held"] == 0 for s in before), (name, before)
+    assert not [at for at, rid in routing_log if rid == name and at >= gone - delay], name
 
 
 def test_ramp_up_then_down_to_zero_and_back(cluster):
     delay = 2.0
-    # busy_newer_wait_s: an idle replica never makes Ray stop a busy one here (the next test does)
     deploy(
         "ramp",
         {
             "min_replicas": 0,
-            "initial_replicas": 1,
+            "initial_replicas": 0,
             "max_replicas": 3,
             "upscale_delay_s": 0.5,
             "downscale_delay_s": delay,
-            "busy_newer_wait_s": 60.0,
         },
         2,
     )
+    cut = len(busy_releases())
     with ReplicaWatch("ramp") as watch:
-        assert wait_for(lambda: len(watch.reporting()) == 1, timeout=30)
-        # 6 streams of 7.5 s against one replica of batch 2: they wait for room, the deployment grows
+        # up from zero: 6 streams wait for Serve to start a replica of batch 2 (so it gets work the
+        # moment it runs, never idles first); 4 still wait for room and the deployment grows to 3.
+        # One replica would take 3 rounds of 300 steps: the new replicas serve before it ends
         prompts = [[5 + i, 7, 11] for i in range(6)]
-        burst = joined(*in_threads(complete, [("ramp", p, 150) for p in prompts]))
-        assert [r["text"] for r in burst] == [expected_text(p, 150) for p in prompts]
-        assert watch.most_at_once() == 3
+        burst_run = in_threads(complete, [("ramp", p, 300) for p in prompts])
+        assert wait_for(lambda: len(watch.reporting()) == 3, timeout=120), watch.names()
+        oldest = watch.oldest()
+        burst = joined(*burst_run)
+        assert [r["text"] for r in burst] == [expected_text(p, 300) for p in prompts]
         assert len({rid for r in burst for _, rid in r["routed"]}) >= 2
-        # load that fits one replica, once every replica has reported its batch empty: the router
-        # keeps it on the oldest, and the newer ones go as soon as they have idled for the delay
-        assert wait_for(watch.all_idle, timeout=60)
-        # the router's copy of the reports (polled every 0.5 s) shows them empty too: a deadline, no sleep
-        assert wait_for(lambda: _router_idle("ramp"), timeout=60)
-        oldest, low_start, low = watch.oldest(), time.time(), []
-        while len(watch.names()) > 1 and time.time() < low_start + 30:
+        # down, by idleness alone: one request at a time keeps the oldest busy (the router sends it
+        # there: the others are newer), so the two newer replicas idle and go, newest first
+        low, low_start = [], time.time()
+        while watch.names() != {oldest} and time.time() < low_start + 90:
             low.append(complete("ramp", [3, 1, len(low)], 10))
             assert low[-1]["text"] == expected_text([3, 1, len(low) - 1], 10)
-        # the load ended on the oldest alone; which replica took a request before the router's next
-        # stats poll depends on the machine's load, so the property checked is the release below
         assert watch.names() == {oldest}, watch.names()
-        assert low[-1]["routed"][-1][1] == oldest
-        routing_log = [(at, rid) for r in burst + low for at, rid in r["routed"]]
-        released = watch.ever() - {oldest}
-        assert len(released) == 2
-        for name in released:  # at batch 0, and sent nothing, for the delay before Serve stopped it
-            gone = watch.gone_at(name)
-            # on a loaded machine a stopping replica may answer no poll in that window: then its
-            # last answer before it went is what it last reported
-            before = watch.samples_since(name, gone - delay, gone) or watch.samples_since(name, 0.0, gone)[-1:]
-            assert before and all(s["running"] == s["waiting"] == 0 for s in before), (name, before)
-            assert not [at for at, rid in routing_log if rid == name and at >= gone - delay], name
+        assert {rid for r in low for _, rid in r["routed"]} == {oldest}
         # no load: down to zero, then a request waits for Serve to start a replica
-        assert wait_for(lambda: not watch.names(), timeout=30), watch.names()
+        assert wait_for(lambda: not watch.names(), timeout=60), watch.names()
+        routing_log = [(at, rid) for r in burst + low for at, rid in r["routed"]]
+        assert watch.ever() - {oldest} and all(watch.gone_at(n) for n in watch.ever())
+        for name in watch.ever():
+            assert_released_idle(watch, name, delay, routing_log)
         back = complete("ramp", [2, 7, 1], 8)
         assert back["text"] == expected_text([2, 7, 1], 8)
-        assert back["routed"][0][1] not in released | {oldest}  # a new replica served it
+        assert back["routed"][0][1] not in watch.ever() - watch.names()  # a new replica served it
+    assert not [r["moves"] for r in burst + low + [back] if r["moves"]]  # no stream was cut
+    assert busy_releases()[cut:] == []
 
 
-def test_scale_down_of_a_replica_still_streaming_migrates_its_streams(cluster):
-    # Batch 2. Two short streams fill the first replica; a long one waits, and goes to a second
-    # replica started for it. The first empties and idles; Ray would stop the second, so the
-    # policy gives it busy_newer_wait_s to empty, then releases one replica anyway: Ray stops
-    # the second, and its stream moves to the first.
+def test_an_idle_replica_behind_a_busy_newer_one_stays_and_no_stream_moves(cluster):
+    # Batch 2. Two streams held open fill the first replica; a third waits, and goes to a second
+    # replica started for it. Then the two are closed: the first idles while the second streams.
+    # Ray would stop the second, so nothing is released until it has emptied and idled.
+    from ray import serve
+
+    delay = 1.5
     deploy(
-        "drain",
+        "behind",
         {
             "min_replicas": 1,
             "initial_replicas": 1,
             "max_replicas": 2,
             "upscale_delay_s": 0.5,
-            "downscale_delay_s": 1.5,
-            "busy_newer_wait_s": 1.0,
+            "downscale_delay_s": delay,
         },
         2,
     )
-    with ReplicaWatch("drain") as watch:
-        assert wait_for(lambda: len(watch.reporting()) == 1, timeout=30)
+    cut = len(busy_releases())
+    handle = serve.get_deployment_handle("LoraReplica", "behind").options(stream=True).generate
+    with ReplicaWatch("behind") as watch:
+        assert wait_for(lambda: len(watch.reporting()) == 1, timeout=60)
         (first,) = watch.names()
-        short_prompts = [[1, 2, 3], [4, 5, 6]]
-        shorts = in_threads(complete, [("drain", p, 200) for p in short_prompts])  # 10 s: a replica starts
-        assert wait_for(lambda: watch.latest(first).get("running") == 2, timeout=10)
+        held = []
+        for i in range(2):  # 2000 steps: open until closed below
+            request = GenerateRequest(f"held-{i}", (1, 2, 3 + i), SamplingParams(max_tokens=2000, temperature=0.0))
+            held.append(handle.remote(request, None, 0))
+            assert next(held[-1]).replica_id == first  # Accepted
         long_prompt = [8, 6, 7, 5]
-        (long,) = joined(*in_threads(complete, [("drain", long_prompt, 300)]))
-        assert [r["text"] for r in joined(*shorts)] == [expected_text(p, 200) for p in short_prompts]
-        assert watch.names() == {first}
-    assert {rid for r in joined(*shorts) for _, rid in r["routed"]} == {first}
+        long_run = in_threads(complete, [("behind", long_prompt, 200)])
+        assert wait_for(lambda: any(watch.latest(n).get("running") == 1 for n in watch.names() - {first}), timeout=120)
+        for gen in held:
+            gen.cancel()
+        (long,) = joined(*long_run)
+        assert wait_for(lambda: watch.names() == {first}, timeout=60), watch.names()
     (second,) = watch.ever() - {first}
-    assert [rid for _, rid in long["routed"]] == [second, first], long["routed"]
-    assert [reason for reason, _ in long["moves"]] == ["replica_stopped"]
-    assert 0 < long["moves"][0][1] < 300  # it moved mid-stream
-    assert any(s["running"] == 1 for s in watch.samples_since(second, 0)), "Ray stopped the replica streaming"
-    assert long["text"] == expected_text(long_prompt, 300) and long["completion_tokens"] == 300
+    assert [rid for _, rid in long["routed"]] == [second] and long["moves"] == []
+    assert long["text"] == expected_text(long_prompt, 200)
+    # the first idled behind the busy second, and stayed: Serve stopped the second once it had idled
+    assert watch.gone_at(first) is None
+    assert_released_idle(watch, second, delay, long["routed"])
+    assert busy_releases()[cut:] == []
 
 
 def test_no_flapping_under_steady_load(steady_app):

@@ -19,14 +19,29 @@ def stats(running=0, waiting=0, free=100, started=0.0, adapters=(), draining=Fal
     )
 
 
-def test_busiest_with_room_first_then_oldest():
+def test_busiest_with_room_first_then_oldest_and_the_newest_last():
     views = [
         ReplicaView("a", stats(1, started=1)),
         ReplicaView("b", stats(3, started=2)),
         ReplicaView("c", stats(1, started=0)),
         ReplicaView("d", stats(4, started=0)),
+        ReplicaView("e", stats(0, started=3)),
     ]
-    assert rank(views, Need(10), POLICY) == ["b", "c", "a"]  # d is full
+    assert rank(views, Need(10), POLICY) == ["b", "c", "a", "e"]  # d is full
+
+
+def test_the_replica_a_scale_down_stops_first_is_fed_only_when_no_other_has_room():
+    # Serve's running order (position) decides, not the reported start time: Ray stops the last
+    views = [
+        ReplicaView("old", stats(1, started=5.0), position=0),
+        ReplicaView("new", stats(3, started=1.0), position=1),
+    ]
+    assert rank(views, Need(10), POLICY) == ["old", "new"]  # busier, but Ray would stop it: it empties
+    full = [ReplicaView("old", stats(4), position=0), views[1]]
+    assert rank(full, Need(10), POLICY) == ["new"]
+    draining = [views[0], ReplicaView("new", stats(3, draining=True), position=1)]
+    assert rank(draining, Need(10), POLICY) == ["old"]
+    assert rank(views[:1], Need(10), POLICY) == ["old"]  # alone: nothing to stop
 
 
 def test_counts_what_was_sent_since_the_report():

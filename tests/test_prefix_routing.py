@@ -26,9 +26,10 @@ def test_a_warm_prefix_breaks_ties_before_age_but_never_beats_a_busier_replica()
         ReplicaView("old", stats(1, started=0)),
         ReplicaView("warm", stats(1, started=5, heads=[HEAD])),
         ReplicaView("cold", stats(1, started=1, heads=["other"])),
+        ReplicaView("newest", stats(0, started=10)),  # a scale-down stops it first: fed last (cluster/router.py)
     ]
-    assert rank(views, Need(40, adapter="t", head=HEAD), POLICY) == ["warm", "old", "cold"]
-    assert rank(views, Need(40, adapter="t"), POLICY) == ["old", "cold", "warm"]  # no head: age decides
+    assert rank(views, Need(40, adapter="t", head=HEAD), POLICY) == ["warm", "old", "cold", "newest"]
+    assert rank(views, Need(40, adapter="t"), POLICY) == ["old", "cold", "warm", "newest"]  # no head: age decides
     busier = [ReplicaView("busy", stats(2, started=9)), *views]
     assert rank(busier, Need(40, adapter="t", head=HEAD), POLICY)[0] == "busy"  # consolidation first
     full = [ReplicaView("warm", stats(4, heads=[HEAD])), ReplicaView("old", stats(0))]
