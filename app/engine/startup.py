@@ -143,3 +143,15 @@ def stage(name: str, device: str):
             f"NVRTC could not compile a kernel for {describe_device(device)}: {first}; the kernels need sm_80 or "
             "newer and the CUDA headers (set CUDA_HOME or install the nvidia-cuda-runtime wheel)"
         ) from None
+
+
+_REMOTE = re.compile(r"^app\.engine\.\w+\.(?:StartupError|KvCacheError): (.+)$", re.MULTILINE)
+
+
+def startup_cause(exc: BaseException) -> str | None:
+    """The one-line cause if ``exc`` is a StartupError, or carries one's traceback as text (an engine
+    built in a child process reports its failure so); None for anything else."""
+    if isinstance(exc, StartupError):
+        return str(exc)
+    found = _REMOTE.findall(str(exc))
+    return found[-1] if found else None

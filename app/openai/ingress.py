@@ -68,7 +68,8 @@ class Ingress:
         self.tokenizer, model_config = load_model_files(settings.model, tokenizer_loader)
         if settings.chat_template is not None:  # the app's chat_template arg overrides the checkpoint's
             self.tokenizer.chat_template = settings.chat_template
-        kv_tokens = settings.engine.num_kv_blocks * settings.engine.block_size
+        blocks = settings.engine.num_kv_blocks  # None: sized by each replica at start-up (auto); it checks
+        kv_tokens = blocks * settings.engine.block_size if blocks else model_config.max_position_embeddings
         self.context_limit = min(settings.engine.max_model_len or model_config.max_position_embeddings, kv_tokens)
         self.tool_support = ToolSupport.of(self.tokenizer, model_config.model_type, settings.tool_parser)
         host = serve_bind_host()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import jinja2
 import torch
@@ -84,7 +84,10 @@ class AppArgs(_Strict):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     max_batch_size: int = Field(16, ge=1)
     max_tokens_per_step: int = Field(1024, ge=1)
-    num_kv_blocks: int = Field(512, ge=1)
+    # KV cache per replica, in blocks; auto (the default on CUDA): what fits in gpu_memory_utilization of the GPU
+    # (app/engine/kv_sizing.py); None: auto on CUDA, 512 on the CPU
+    num_kv_blocks: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # auto KV: the share of the GPU's memory to fill
     block_size: int = Field(16, ge=1)
     max_loras: int = Field(8, ge=1)
     lora_memory_gb: float | None = Field(None, gt=0)  # GPU memory for adapter slots: overrides max_loras
@@ -263,6 +266,28 @@ def _replica_options(replica: DeploymentArgs, max_ongoing: int, cluster: Cluster
     return options
 
 
+CPU_KV_BLOCKS = 512  # the CPU's default: nothing to measure there
+
+
+def _num_kv_blocks(given: int | str | None, device: str, tensor_parallel_size: int) -> int | None:
+    """The engine's num_kv_blocks: a number, or None for auto (one GPU only: the probe measures one)."""
+    if isinstance(given, int):
+        return given
+    if device == "cpu":
+        if given == "auto":
+            raise ConfigError(
+                "invalid serve_config.yaml args:\n  num_kv_blocks: auto sizes the KV cache from a GPU's memory; "
+                "on the CPU give a number"
+            )
+        return CPU_KV_BLOCKS
+    if tensor_parallel_size > 1:
+        raise ConfigError(
+            "invalid serve_config.yaml args:\n  num_kv_blocks: give a number with tensor_parallel_size > 1 "
+            "(auto measures one GPU; docs/deploy.md has the formula)"
+        )
+    return None
+
+
 def parse_args(raw: dict | None, default_model_name: str) -> Settings:
     try:
         a = AppArgs.model_validate(raw or {})
@@ -272,7 +297,8 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
     engine = EngineConfig(
         max_num_seqs=a.max_batch_size,
         max_tokens_per_step=a.max_tokens_per_step,
-        num_kv_blocks=a.num_kv_blocks,
+        num_kv_blocks=_num_kv_blocks(a.num_kv_blocks, a.device, a.tensor_parallel_size),
+        gpu_memory_utilization=a.gpu_memory_utilization,
         block_size=a.block_size,
         max_loras=a.max_loras,
         max_lora_rank=a.max_lora_rank,

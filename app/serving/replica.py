@@ -21,6 +21,7 @@ from ray import serve
 from adapters_store.store import AdapterStore, StoreConfig
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
+from app.engine.startup import StartupError, startup_cause
 from app.errors import AdapterNotFoundError, LoraplexError
 from app.protocol import Accepted, Chunk, GenerateRequest, Migrate
 from app.serving.engine_metrics import EngineMetrics
@@ -61,7 +62,13 @@ class LoraReplica:
         """registry: a handle to AdapterRegistry; engine_factory(settings) → an AsyncEngine (a seam for tests)."""
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.block_size = settings.engine.block_size
-        self.engine = engine_factory(settings)
+        try:
+            self.engine = engine_factory(settings)
+        except Exception as exc:  # a cause the config or the hardware gives is one line, not a chain
+            cause = startup_cause(exc)
+            if cause is None:
+                raise
+            raise StartupError(cause) from None
         self.registry = registry
         self.store = self.engine.core.adapters  # the engine's AdapterStore (thread-safe: used from here)
         self.specs = {s.name: s for s in settings.adapters}  # what this replica registered, by name
@@ -195,5 +202,7 @@ class LoraReplica:
         self.epoch = max(self.epoch, latest)
 
     def __del__(self):
-        self.metrics.stop()
-        self.engine.shutdown()
+        if hasattr(self, "metrics"):  # absent when __init__ raised: nothing was started
+            self.metrics.stop()
+        if hasattr(self, "engine"):
+            self.engine.shutdown()
