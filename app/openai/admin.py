@@ -3,7 +3,8 @@ s3:// URI), list, unregister; and vLLM's `/v1/load_lora_adapter` and
 `/v1/unload_lora_adapter` (its bodies, its plain-text answers) as aliases of register and
 unregister, so gateways written for vLLM drive this server unchanged. A new adapter is loaded by one replica first (that
 validates it: a bad adapter is a 400 and never enters the registry); the others load
-it from its spec on their first request for it (see app/serving/registry.py).
+it from its spec on their first request for it (see app/serving/registry.py). A change is
+in every Ingress's copy of the registry (app/openai/adapter_view.py) before its route answers.
 
 A registration must lie inside one of `adapter_roots`: a local path is resolved first
 (symlinks followed, `..` collapsed) and must be a directory holding adapter_config.json
@@ -83,12 +84,18 @@ def check_path(path: str, roots: tuple[str, ...]) -> str:
 
 
 class AdapterAdmin:
-    def __init__(self, base_name: str, replica, registry, roots: tuple[str, ...] = ("s3://",)):
-        """roots: Settings.adapter_roots (resolved local directories and s3:// prefixes)."""
+    def __init__(self, base_name: str, replica, registry, roots: tuple[str, ...] = ("s3://",), view=None):
+        """roots: Settings.adapter_roots (resolved local directories and s3:// prefixes); view: the
+        Ingress's AdapterView, through which each change is settled into every Ingress's copy."""
         self.base_name = base_name
         self.replica = replica
         self.registry = registry
         self.roots = roots
+        self.view = view
+
+    async def _settle(self, epoch: int | None = None) -> None:
+        if self.view is not None:
+            await self.view.settle(epoch)
 
     async def list(self) -> dict:
         specs, _ = await self.registry.list.remote()
@@ -112,11 +119,14 @@ class AdapterAdmin:
             if isinstance(cause, AdapterNotFoundError):  # gone since the check, or no S3 object: a 400 here
                 raise _outside() if local else InvalidAdapterError(str(cause)) from None
             raise type(cause)(*cause.args) from None  # the admin sees the reason in full (see http_errors)
-        return spec_json(await self.registry.put.remote(body.name, uri, version))
+        spec = await self.registry.put.remote(body.name, uri, version)
+        await self._settle(spec.serial)  # a spec's serial is the epoch that registered it
+        return spec_json(spec)
 
     async def unregister(self, name: str) -> dict:
         if not await self.registry.remove.remote(name):
             raise AdapterNotFoundError(f"adapter {name!r} is not registered")
+        await self._settle()  # the registry's epoch now, which is at least the removal's
         return {"name": name, "deleted": True}
 
     # -- vLLM's routes -----------------------------------------------------------------------

@@ -11,10 +11,15 @@ or an s3:// object, app/serving/registry_store.py), every change is written ther
 is acknowledged and a (re)started registry starts from `adapter_dirs` with the saved
 changes on top: names registered at run time come back, unregistered ones stay gone.
 Without it, runtime registrations live in this actor's memory only.
+
+Each Ingress resolves names from its own copy, kept current by long-polling `changes`
+(app/serving/registry_feed.py); the admin routes `settle` a change into every copy before
+they answer, so no request waits on this actor.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +27,7 @@ from ray import serve
 
 from adapters_store.paths import NAME
 from app.errors import RegistryUnavailableError
+from app.serving.registry_feed import LEASE_S, POLL_S, ChangeFeed, Changes
 from app.serving.registry_store import FORMAT, open_store
 
 
@@ -32,6 +38,15 @@ class AdapterSpec:
     serial: int  # the registry epoch of its registration: registering a name again is a new spec
     version: str | None = None  # the content version the validating load resolved
     on_demand: bool = False  # not registered: the replicas' stores resolve it under adapter_source
+
+
+def resolve(specs: dict[str, AdapterSpec], source: str | None, name: str) -> AdapterSpec | None:
+    """A registered name's spec; else, with an adapter_source, an on-demand spec (no I/O here:
+    the replica's store looks it up once and remembers a missing name for miss_ttl_s)."""
+    spec = specs.get(name)
+    if spec is None and source is not None and NAME.match(name):
+        spec = AdapterSpec(name, source.rstrip("/") + "/" + name, 0, on_demand=True)
+    return spec
 
 
 def scan(dirs) -> list[AdapterSpec]:
@@ -47,15 +62,26 @@ def scan(dirs) -> list[AdapterSpec]:
 
 
 # On the head node, beside the proxy and (in the shipped configs) the Ingress: losing a worker never
-# restarts it (its state is in memory unless registry_path is set).
+# restarts it (its state is in memory unless registry_path is set). Each Ingress replica keeps
+# one long-poll open here, and a shutdown waits for none of them (a view just polls again).
 @serve.deployment(
     name="AdapterRegistry",
     num_replicas=1,
+    max_ongoing_requests=1000,
+    graceful_shutdown_timeout_s=1.0,
     ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}},
 )
 class AdapterRegistry:
-    def __init__(self, initial: list[AdapterSpec], location: str | None = None, source: str | None = None):
-        """location: registry_path (None: in memory only); source: adapter_source (None: registered names only)."""
+    def __init__(
+        self,
+        initial: list[AdapterSpec],
+        location: str | None = None,
+        source: str | None = None,
+        lease_s: float = LEASE_S,
+        clock=None,
+    ):
+        """location: registry_path (None: in memory only); source: adapter_source (None: registered
+        names only); lease_s, clock: the views' lease and its clock (registry_feed.py; tests)."""
         self._source = source
         self._specs = {s.name: s for s in initial}
         self._scanned = set(self._specs)
@@ -66,6 +92,7 @@ class AdapterRegistry:
         saved = self._store.load() if self._store else None
         if saved:
             self._restore(saved)
+        self.feed = ChangeFeed(self._epoch, lease_s, **({"clock": clock} if clock else {}))
 
     def _restore(self, saved: dict) -> None:
         self._epoch = int(saved.get("epoch", 0))
@@ -90,25 +117,57 @@ class AdapterRegistry:
         self._added, self._removed = added, removed
 
     def lookup(self, name: str) -> tuple[AdapterSpec | None, int]:
-        """A registered name's spec; else, with an adapter_source, an on-demand spec (no I/O here:
-        the replica's store looks it up once and remembers a missing name for miss_ttl_s)."""
-        spec = self._specs.get(name)
-        if spec is None and self._source is not None and NAME.match(name):
-            spec = AdapterSpec(name, self._source.rstrip("/") + "/" + name, 0, on_demand=True)
-        return spec, self._epoch
+        with self.feed.lock:
+            return resolve(self._specs, self._source, name), self._epoch
 
     def list(self) -> tuple[list[AdapterSpec], int]:
-        return sorted(self._specs.values(), key=lambda s: s.name), self._epoch
+        with self.feed.lock:
+            return sorted(self._specs.values(), key=lambda s: s.name), self._epoch
 
     def put(self, name: str, path: str, version: str | None = None) -> AdapterSpec:
-        self._commit({**self._added, name: {"path": path, "version": version}}, self._removed - {name})
-        self._specs[name] = AdapterSpec(name, path, self._epoch, version)
-        return self._specs[name]
+        with self.feed.lock:
+            self._commit({**self._added, name: {"path": path, "version": version}}, self._removed - {name})
+            spec = self._specs[name] = AdapterSpec(name, path, self._epoch, version)
+            self.feed.record(self._epoch, name, spec)
+            return spec
 
     def remove(self, name: str) -> bool:
-        if name not in self._specs:
-            return False
-        removed = self._removed | {name} if name in self._scanned else self._removed
-        self._commit({k: v for k, v in self._added.items() if k != name}, removed)
-        del self._specs[name]
-        return True
+        with self.feed.lock:
+            if name not in self._specs:
+                return False
+            removed = self._removed | {name} if name in self._scanned else self._removed
+            self._commit({k: v for k, v in self._added.items() if k != name}, removed)
+            del self._specs[name]
+            self.feed.record(self._epoch, name, None)
+            return True
+
+    # -- the Ingresses' copies (registry_feed.py) ------------------------------------------
+    async def changes(self, view: str, incarnation: str | None, since: int, wait_s: float = POLL_S) -> Changes:
+        """What ``view`` lacks after ``since`` (its acknowledgement of it), as soon as there is
+        any, else an empty answer after ``wait_s`` (at most a third of the lease)."""
+        self.feed.ack(view, incarnation, since)
+        deadline = asyncio.get_running_loop().time() + min(wait_s, self.feed.lease_s / 3)
+        while True:
+            with self.feed.lock:
+                if incarnation != self.feed.incarnation or since > self._epoch:  # restarted, or unknown
+                    return self._changes(table=tuple(self._specs.values()))
+                delta = self.feed.since(since)
+                if delta is None:
+                    return self._changes(table=tuple(self._specs.values()))
+                if delta or asyncio.get_running_loop().time() >= deadline:
+                    return self._changes(changes=delta)
+            await self.feed.wait(deadline - asyncio.get_running_loop().time())
+
+    async def settle(self, epoch: int | None = None) -> int:
+        """Wait until every live view holds ``epoch`` (None: the current one); how many views
+        stopped counting meanwhile (past their lease) rather than acknowledging it."""
+        target = self._epoch if epoch is None else epoch
+        pending = self.feed.pending(target)
+        waited = set(pending)
+        while pending:
+            await self.feed.wait(self.feed.expiry(pending))
+            pending = self.feed.pending(target)
+        return sum(not self.feed.holds(v, target) for v in waited)
+
+    def _changes(self, **what) -> Changes:
+        return Changes(self.feed.incarnation, self._epoch, self._source, self.feed.lease_s, **what)
