@@ -7,6 +7,7 @@ message names every offending field.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -95,6 +96,8 @@ class AppArgs(_Strict):
     max_model_len: int | None = Field(None, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)  # GPUs one replica's model is sharded over
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start-up (false: eager, for debugging)
+    # the engine loop in a child process of each LoraReplica (docs/served_path.md); auto: on CUDA
+    engine_process: Literal["auto"] | bool = "auto"
     prefix_caching: bool = True  # share full KV blocks of equal (adapter version, token prefix) across requests
     prefix_cache_max_blocks: int | None = Field(
         None, ge=0
@@ -266,6 +269,25 @@ def _replica_options(replica: DeploymentArgs, max_ongoing: int, cluster: Cluster
     return options
 
 
+# Overrides `engine_process: auto` (a test run of the suite with, or without, the engine process).
+ENGINE_PROCESS_ENV = "LORAPLEX_ENGINE_PROCESS"
+
+
+def _engine_process(given: str | bool, device: str, tensor_parallel_size: int) -> bool:
+    """auto: in its own process on CUDA, in the replica's on the CPU (docs/served_path.md measures both)."""
+    if given == "auto":
+        forced = os.environ.get(ENGINE_PROCESS_ENV)
+        given = forced == "1" if forced in ("0", "1") else device != "cpu"
+        if tensor_parallel_size > 1:
+            return False
+    if given and tensor_parallel_size > 1:  # its shard workers are Ray actors the replica creates
+        raise ConfigError(
+            "invalid serve_config.yaml args:\n  engine_process: not available with tensor_parallel_size > 1 "
+            "(the shard workers are driven from the replica's process)"
+        )
+    return given
+
+
 CPU_KV_BLOCKS = 512  # the CPU's default: nothing to measure there
 
 
@@ -311,6 +333,7 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         prefix_caching=a.prefix_caching,
         prefix_cache_max_blocks=a.prefix_cache_max_blocks,
         quantization=a.quantization,
+        engine_process=_engine_process(a.engine_process, a.device, a.tensor_parallel_size),
     )
     try:
         adapter_store = store_config(a.adapter_cache, a.adapter_source, a.max_lora_rank)

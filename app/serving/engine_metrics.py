@@ -65,7 +65,7 @@ class AdapterLabels:
 
 class EngineMetrics:
     def __init__(self, engine, interval_s: float = 1.0, adapter_labels: int = 16):
-        """engine: the replica's AsyncEngine (its ``telemetry`` and ``snapshot``)."""
+        """engine: the replica's AsyncEngine or ProcessEngine (its ``metrics_sample()``)."""
         from ray.serve.metrics import Counter as RayCounter
         from ray.serve.metrics import Gauge, Histogram
 
@@ -138,14 +138,14 @@ class EngineMetrics:
                 log.exception("publishing engine metrics failed")
 
     def publish(self) -> None:
-        s = self.engine.snapshot
+        s, batch = self.engine.metrics_sample()  # from the engine process, if it has one
         self.running.set(s["running"])
         self.waiting.set(s["waiting"])
         self.kv_used.set(s["total_kv_blocks"] - s["free_kv_blocks"])
         self.kv_total.set(s["total_kv_blocks"])
         self.kv_free.set(s["free_kv_blocks"])
         self.kv_cached.set(s.get("cached_kv_blocks", 0))
-        self._publish(self.engine.telemetry.drain())
+        self._publish(batch)
         self._publish_prefix(s)
 
     def _publish_prefix(self, s: dict) -> None:

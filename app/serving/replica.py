@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 
 from ray import serve
 
-from adapters_store.store import AdapterStore, StoreConfig
-from app.engine.async_engine import AsyncEngine
+from adapters_store.store import StoreConfig
+from app.engine.async_engine import build_async_engine
 from app.engine.config import EngineConfig
 from app.engine.startup import StartupError, startup_cause
 from app.errors import AdapterNotFoundError, LoraplexError
@@ -40,37 +41,40 @@ class ReplicaSettings:
     store: StoreConfig = StoreConfig()  # adapter tiers' budgets and the on-demand source
 
 
-def build_async_engine(settings: ReplicaSettings) -> AsyncEngine:
-    from app.engine.factory import build_engine
+def start_engine(settings: ReplicaSettings, engine_factory: Callable, on_death: Callable[[str], None]):
+    """The replica's engine: engine_factory(settings) in this process, or, with
+    ``engine.engine_process``, in a child process of its own (app/engine/process_engine.py)."""
+    if not settings.engine.engine_process:
+        return engine_factory(settings)
+    from app.engine.process_engine import ProcessEngine
 
-    core = build_engine(
-        settings.model, settings.engine, {s.name: s.path for s in settings.adapters}, store_config=settings.store
-    )
-    return AsyncEngine(core, migrate_locally=settings.migrate_locally)
+    return ProcessEngine(engine_factory, settings, on_death)
 
 
-def _stats(core) -> dict:
-    stats = {**core.stats(), "adapters": core.adapters.names()}
-    if isinstance(core.adapters, AdapterStore):  # a simulated core (tests/simulated_engine.py) has none
-        stats["adapter_store"] = {**core.adapters.describe(), "tiers": core.adapters.tiers(core.model.lora_pool)}
-    return stats
+def _engine_died(reason: str) -> None:
+    """The engine process is gone (a crash, a kill): so is this replica. Exiting fails its
+    streams as a lost replica's, which the Ingress resumes elsewhere by migration, and Serve
+    starts a replacement; check_health says the same in case Serve asks first."""
+    log.error("%s: this replica exits so that Serve replaces it", reason)
+    os._exit(1)
 
 
 @serve.deployment(name="LoraReplica")
 class LoraReplica:
     def __init__(self, settings: ReplicaSettings, registry, engine_factory: Callable = build_async_engine):
-        """registry: a handle to AdapterRegistry; engine_factory(settings) → an AsyncEngine (a seam for tests)."""
+        """registry: a handle to AdapterRegistry; engine_factory(settings) → an AsyncEngine (a seam for
+        tests; with the engine process it runs there, so it must be a module-level name)."""
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.block_size = settings.engine.block_size
         try:
-            self.engine = engine_factory(settings)
+            self.engine = start_engine(settings, engine_factory, _engine_died)
         except Exception as exc:  # a cause the config or the hardware gives is one line, not a chain
             cause = startup_cause(exc)
             if cause is None:
                 raise
             raise StartupError(cause) from None
         self.registry = registry
-        self.store = self.engine.core.adapters  # the engine's AdapterStore (thread-safe: used from here)
+        self.store = self.engine.store  # the engine's AdapterStore, wherever the engine runs
         self.specs = {s.name: s for s in settings.adapters}  # what this replica registered, by name
         self.epoch = 0  # the registry epoch this replica last synced with
         self.draining = False  # set by drain(): the router sends nothing new, running requests move
@@ -98,7 +102,7 @@ class LoraReplica:
                 return
             await self._sync(epoch)
             if adapter is not None:
-                self._ensure(adapter)
+                await self._ensure(adapter)
             async for chunk in self.engine.generate(request):
                 yield chunk
         except LoraplexError as exc:  # bad input, not a replica failure: yielded, so Serve logs no traceback
@@ -111,17 +115,17 @@ class LoraReplica:
         """Load (and so validate) an adapter before the registry lists it: its content
         version, or InvalidAdapterError / AdapterNotFoundError."""
         self.specs.pop(name, None)  # no longer what the registry says: the next request re-registers
-        self.store.register(name, uri)
+        await self.store.register(name, uri)
         try:
-            await self.store.aget(name)
+            await self.store.load(name)
         except LoraplexError:
-            self.store.unregister(name)
+            await self.store.unregister(name)
             raise
-        return self.store.version(name)
+        return await self.store.version(name)
 
     async def stats(self) -> dict:
         """The engine's counters and loaded adapters, read on its own thread (exact, not a stale snapshot)."""
-        return await asyncio.wrap_future(self.engine.call(_stats))
+        return await asyncio.wrap_future(self.engine.stats())
 
     async def routing_stats(self) -> ReplicaStats:
         now = time.time()
@@ -176,18 +180,19 @@ class LoraReplica:
         }
 
     def check_health(self) -> None:
-        """Serve replaces a replica whose check raises: one whose tensor-parallel shards fell
-        out of step in a failed step (app/engine/tp/model.py) can serve nothing more."""
-        broken = getattr(self.engine.core.model, "broken", None)
-        if broken is not None:
-            raise RuntimeError(f"tensor-parallel shards out of step: {broken}")
+        """Serve replaces a replica whose check raises: one whose engine process died, or whose
+        tensor-parallel shards fell out of step in a failed step (app/engine/tp/model.py), can
+        serve nothing more."""
+        failure = self.engine.failure()
+        if failure is not None:
+            raise RuntimeError(failure)
 
-    def _ensure(self, spec: AdapterSpec) -> None:
+    async def _ensure(self, spec: AdapterSpec) -> None:
         """Register what the registry says under this name (a new serial = re-registered); the
         engine loads it (off its thread, through the store's caches) when the request arrives.
         An on-demand name needs nothing: the store resolves it under its source on a cold load."""
         if not spec.on_demand and self.specs.get(spec.name) != spec:
-            self.store.register(spec.name, spec.path)
+            await self.store.register(spec.name, spec.path)
             self.specs[spec.name] = spec
 
     async def _sync(self, epoch: int) -> None:
@@ -198,7 +203,7 @@ class LoraReplica:
         for name in set(self.specs) - {s.name for s in specs}:
             del self.specs[name]
             with suppress(AdapterNotFoundError):
-                self.store.unregister(name)
+                await self.store.unregister(name)
         self.epoch = max(self.epoch, latest)
 
     def __del__(self):

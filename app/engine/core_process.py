@@ -1,0 +1,209 @@
+"""The engine process: the engine loop in a child of its replica, as vLLM V1's EngineCore runs
+beside its API server.
+
+The process's main thread runs the busy loop (schedule → step → sample → postprocess,
+app/engine/engine_loop.py) and sends each step's chunks, all requests' together, as one
+message. A reader thread takes the replica's messages; adds whose adapter is not in host
+memory or whose guide needs compiling are prepared on the adapter store's loader threads
+and a small compile pool, never on the loop. No asyncio, Serve or HTTP work runs here.
+
+The process never outlives its replica: PR_SET_PDEATHSIG (Linux) kills it when the thread
+that started it ends (the replica keeps that thread for the process's lifetime), a watch
+thread exits when the parent pid changes, and the reader exits at the pipe's EOF.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from adapters_store.errors import AdapterError
+from app.engine import engine_wire as wire
+from app.engine.engine_loop import EngineLoop, StreamState
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PARENT_POLL_S = 0.5
+
+
+def die_with_parent(parent_pid: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the watch below still ends it
+        pass
+    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+        os._exit(0)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_S)
+    os._exit(0)
+
+
+class Sender:
+    """One writer at a time on the pipe (the loop, the reader and loader callbacks all send)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, message) -> None:
+        data = wire.dumps(message)
+        with self.lock:
+            self.conn.send_bytes(data)
+
+    def reply(self, call_id: int, done: Future) -> None:
+        error = done.exception()
+        if error is None:
+            self.send(("reply", call_id, True, done.result()))
+        else:
+            self.send(("reply", call_id, False, wire.encode_error(error)))
+
+
+class ProcessLoop(EngineLoop):
+    """The loop whose output is one message per step on the pipe."""
+
+    def __init__(self, core, migrate_locally: bool, out: Sender):
+        super().__init__(core, migrate_locally)
+        self.out = out
+        self._chunks: list[tuple] = []
+        self._accepts: list[tuple[str, bytes | None]] = []
+
+    def _accepted(self, stream: StreamState, error: Exception | None) -> None:
+        self._accepts.append((stream.request.request_id, None if error is None else wire.encode_error(error)))
+
+    def _emit(self, stream: StreamState, chunk) -> None:
+        self._chunks.append(wire.encode_chunk(chunk))
+
+    def _send(self) -> None:
+        if self._chunks or self._accepts:
+            accepts, chunks, self._accepts, self._chunks = self._accepts, self._chunks, [], []
+            self.out.send(("step", accepts, chunks))
+
+
+class Preparer:
+    """An add's adapter weights (to host memory) and compiled guide, off the loop, then the add."""
+
+    def __init__(self, loop: ProcessLoop, out: Sender):
+        self.loop = loop
+        self.out = out
+        self.store = loop.core.adapters
+        self.compiles = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
+
+    def add(self, stream: StreamState) -> None:
+        name = stream.request.adapter
+        if not name:
+            return self._then_grammar(stream, None)
+        prefetch = getattr(self.store, "prefetch", None)
+        loading = prefetch(name) if prefetch is not None else self.compiles.submit(self.store.get, name)
+        loading.add_done_callback(lambda done: self._loaded(stream, name, done))
+
+    def _loaded(self, stream: StreamState, name: str, done: Future) -> None:
+        error = done.exception()
+        if error is not None:
+            _name(error, name)
+            return self._reject(stream, error)
+        self._then_grammar(stream, done.result())
+
+    def _then_grammar(self, stream: StreamState, adapter) -> None:
+        guide = stream.request.params.guide
+        if guide is None:
+            return self.loop.post(("add", stream, adapter, None))
+        self.compiles.submit(self._compile, stream, adapter, guide)
+
+    def _compile(self, stream: StreamState, adapter, guide) -> None:
+        try:
+            grammar = self.loop.core.grammars.compile(guide)
+        except Exception as exc:
+            return self._reject(stream, exc)
+        self.loop.post(("add", stream, adapter, grammar))
+
+    def _reject(self, stream: StreamState, error: BaseException) -> None:
+        self.out.send(("step", [(stream.request.request_id, wire.encode_error(error))], []))
+
+    def store_call(self, call_id: int, method: str, args: tuple) -> None:
+        """register / unregister / version run here, in order with the adds that follow;
+        a load (``prefetch``) answers when the store's loader threads have it."""
+        done: Future = Future()
+        try:
+            if method == "load":
+                self.add_load(call_id, args[0])
+                return
+            done.set_result(getattr(self.store, method)(*args))
+        except Exception as exc:
+            done.set_exception(exc)
+        self.out.reply(call_id, done)
+
+    def add_load(self, call_id: int, name: str) -> None:
+        prefetch = getattr(self.store, "prefetch", None)
+        loading = prefetch(name) if prefetch is not None else self.compiles.submit(self.store.get, name)
+        answer: Future = Future()
+
+        def loaded(done: Future) -> None:
+            error = done.exception()
+            _name(error, name)
+            answer.set_exception(error) if error is not None else answer.set_result(None)  # weights stay here
+            self.out.reply(call_id, answer)
+
+        loading.add_done_callback(loaded)
+
+
+def _name(error: BaseException | None, adapter: str) -> None:
+    """A load's failure names the adapter it was for, as AdapterStore.get's does."""
+    if isinstance(error, AdapterError):
+        error.adapter = adapter
+
+
+def _read(conn, loop: ProcessLoop, out: Sender, prep: Preparer) -> None:
+    while True:
+        try:
+            message = wire.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the replica is gone: so is its engine
+            os._exit(0)
+        kind = message[0]
+        if kind == "add":
+            prep.add(StreamState(message[1], message[2]))
+        elif kind == "abort":
+            loop.post(("abort", message[1]))
+        elif kind in ("call", "drain"):
+            call_id = message[1]
+            fn, args = (message[2], message[3]) if kind == "call" else (lambda core: loop.evict_all("draining"), ())
+            done: Future = Future()
+            done.add_done_callback(lambda d, call_id=call_id: out.reply(call_id, d))
+            loop.post(("call", fn, args, done))
+        elif kind == "store":
+            prep.store_call(*message[1:])
+        elif kind == "sample":  # the metrics exporter's: the latest step's stats and the telemetry since
+            out.send(("reply", message[1], True, (loop.snapshot, loop.telemetry.drain())))
+        elif kind == "stop":
+            loop.stop()
+            return
+
+
+def main(conn, engine_factory, settings, parent_pid: int) -> None:
+    """The engine process's entry: engine_factory(settings) → an AsyncEngine, whose core then
+    runs on this process's loop (its own thread is stopped)."""
+    die_with_parent(parent_pid)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-process %(levelname)s %(message)s")
+    out = Sender(conn)
+    try:
+        engine = engine_factory(settings)
+        engine.shutdown()
+        loop = ProcessLoop(engine.core, engine.migrate_locally, out)
+    except BaseException:
+        out.send(("failed", traceback.format_exc()))
+        return
+    threading.Thread(
+        target=_read, args=(conn, loop, out, Preparer(loop, out)), name="engine-inbox", daemon=True
+    ).start()
+    out.send(("ready", None))
+    loop.run()

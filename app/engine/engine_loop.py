@@ -1,0 +1,184 @@
+"""The engine's busy loop: the one thread that touches EngineCore.
+
+Callers post adds, aborts and calls to an inbox; the loop drains it, steps the core and
+delivers each step's chunks. How delivered chunks leave the loop is the subclass's:
+AsyncEngine hands them to asyncio event loops in the same process
+(app/engine/async_engine.py); the engine process sends them to its replica in one message
+per step (app/engine/core_process.py). Each step and each delivered token is recorded in
+``telemetry`` (app/engine/telemetry.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+from app.engine.telemetry import EngineTelemetry
+from app.protocol import Chunk, ErrorChunk, GenerateRequest, Migrate, is_final
+
+log = logging.getLogger(__name__)
+
+
+class StreamState:
+    """What the loop keeps of one request it runs."""
+
+    def __init__(self, request: GenerateRequest, arrival: float | None = None):
+        self.request = request
+        self.arrival = time.monotonic() if arrival is None else arrival  # CLOCK_MONOTONIC: one clock per host
+        self.last_token: float | None = None  # when its previous token was delivered
+        self.unfinished = set(range(request.index, request.index + request.n))  # choices not ended
+
+
+def describe(core) -> dict:
+    """The engine's counters and loaded adapters (run on the loop: exact, not a stale snapshot)."""
+    from adapters_store.store import AdapterStore
+
+    stats = {**core.stats(), "adapters": core.adapters.names()}
+    if isinstance(core.adapters, AdapterStore):  # a simulated core (tests/simulated_engine.py) has none
+        stats["adapter_store"] = {**core.adapters.describe(), "tiers": core.adapters.tiers(core.model.lora_pool)}
+    return stats
+
+
+class EngineLoop:
+    def __init__(self, core, migrate_locally: bool = True):
+        """migrate_locally: a preempted request is re-queued here (front of the queue)
+        instead of ending its stream with a Migrate chunk for the caller to re-route."""
+        self.core = core
+        self.migrate_locally = migrate_locally
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, StreamState] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self.snapshot = core.stats()
+        self.telemetry = EngineTelemetry()
+
+    # -- what subclasses provide --------------------------------------------------------
+    def _emit(self, stream: StreamState, chunk: Chunk) -> None:
+        """A chunk for ``stream``, to go out with this step's others."""
+        raise NotImplementedError
+
+    def _send(self) -> None:
+        """Everything emitted since the last send leaves the loop (once per step)."""
+        raise NotImplementedError
+
+    def _accepted(self, stream: StreamState, error: Exception | None) -> None:
+        """The add of ``stream`` was taken (error None) or refused."""
+        raise NotImplementedError
+
+    # -- any thread ---------------------------------------------------------------------------
+    def post(self, item) -> None:
+        """("add", stream, adapter, grammar) | ("abort", request_id) | ("call", fn, args, Future)."""
+        self._inbox.put(item)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    # -- the loop's thread --------------------------------------------------------------------
+    def run(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.core.has_work():
+                self._send()  # what the inbox produced (an abort's chunk, a drain's Migrates) goes now
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            start = time.perf_counter()
+            try:
+                chunks = self.core.step()
+            except Exception as exc:  # a failed step must not strand any stream
+                log.exception("engine step failed")
+                chunks = self._fail_all(exc)
+            if not self.core.idle:
+                self.telemetry.step(self.core.last_batch_size, time.perf_counter() - start)
+            self.snapshot = self.core.stats()
+            for chunk in chunks:
+                self._deliver(chunk)
+            self._send()
+            if self.core.idle:
+                time.sleep(0.0005)  # waiting on adapter copies: poll, don't spin
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "add":
+                self._add(*item[1:])
+            elif item[0] == "abort":
+                for chunk in self.core.abort(item[1]):
+                    self._deliver(chunk)
+            else:
+                self._call(*item[1:])
+
+    def _add(self, stream: StreamState, adapter, grammar) -> None:
+        try:
+            self.core.add(stream.request, adapter=adapter, grammar=grammar)
+        except Exception as exc:
+            self._accepted(stream, exc)
+            return
+        self._streams[stream.request.request_id] = stream
+        if not stream.request.resume_token_ids:  # a migrated-in request was counted where it arrived
+            self.telemetry.request(stream.request.adapter, len(stream.request.prompt_token_ids))
+        self._accepted(stream, None)
+
+    def _call(self, fn, args, done: Future) -> None:
+        try:
+            done.set_result(fn(self.core, *args))
+        except Exception as exc:
+            done.set_exception(exc)
+
+    def _deliver(self, chunk: Chunk) -> None:
+        stream = self._streams.get(chunk.request_id)
+        if stream is None:
+            return
+        self._record(stream, chunk)
+        if isinstance(chunk, Migrate) and self.migrate_locally and chunk.reason != "draining":
+            self.core.add(stream.request.resumed(chunk), front=True)  # that choice alone, with its seed
+            return
+        if is_final(chunk):
+            stream.unfinished.discard(chunk.index)
+            if not stream.unfinished:
+                del self._streams[chunk.request_id]
+        if isinstance(chunk, Migrate):  # it leaves this engine unfinished
+            self.telemetry.migrated(chunk.reason)
+        self._emit(stream, chunk)
+
+    def _record(self, stream: StreamState, chunk: Chunk) -> None:
+        t = self.telemetry
+        if isinstance(chunk, Migrate):
+            if chunk.reason == "kv_cache_exhausted":
+                t.preempted()
+        elif isinstance(chunk, ErrorChunk):
+            t.finished("error")
+        else:
+            now = time.monotonic()
+            if chunk.token_ids:
+                first = stream.last_token is None
+                t.tokens(
+                    len(chunk.token_ids),
+                    ttft=now - stream.arrival if first and not stream.request.resume_token_ids else None,
+                    gap=None if first else now - stream.last_token,
+                )
+                stream.last_token = now
+            if chunk.finish_reason is not None:
+                t.finished(chunk.finish_reason)
+
+    def evict_all(self, reason: str = "draining") -> int:
+        """On the loop (through a call): end every request's stream with Migrate(reason); how many."""
+        migrates = self.core.evict_all(reason)
+        for chunk in migrates:
+            self._deliver(chunk)
+        return len(migrates)
+
+    def _fail_all(self, exc: Exception) -> list[Chunk]:
+        failed = []
+        for request_id, stream in list(self._streams.items()):
+            self.core.abort(request_id)
+            failed += [ErrorChunk(request_id, f"engine failure: {exc}", 500, i) for i in sorted(stream.unfinished)]
+        return failed
