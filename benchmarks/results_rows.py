@@ -69,8 +69,13 @@ def row(data: dict, name: str, key: str, measure: str, ours: str, beside: str, s
 
 
 def gpu_files(folder: pathlib.Path, prefix: str) -> list[str]:
-    """`<prefix>_<gpu>.json` result files (one per machine a benchmark ran on), by name."""
-    return sorted(p.name for p in folder.glob(f"{prefix}_*.json") if p.stem.count("_") == prefix.count("_") + 1)
+    """`<prefix>_<gpu>.json` result files (one per machine a benchmark ran on), by name; a
+    benchmark's CPU plumbing run (`--tiny`, `--smoke`: `<prefix>_cpu.json`) is no result."""
+    return sorted(
+        p.name
+        for p in folder.glob(f"{prefix}_*.json")
+        if p.stem.count("_") == prefix.count("_") + 1 and not p.stem.endswith("_cpu")
+    )
 
 
 def pick(rows: list[dict], **match) -> dict:
