@@ -36,6 +36,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     guide: Guide | None = None  # structured output: the grammar every generated token must follow
+    # None = off; n: each prompt token's logprob (the first's None) + top-n, on the first chunk (echo)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -46,6 +48,7 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (0.0 < self.repetition_penalty < math.inf, "repetition_penalty must be > 0 and finite (1 disables it)"),
@@ -127,6 +130,7 @@ class TokenChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # of this choice
     index: int = 0  # the choice it belongs to
+    prompt_logprobs: tuple[dict | None, ...] | None = None  # SamplingParams.prompt_logprobs: the first chunk's
 
     def then(self, later: TokenChunk) -> TokenChunk:
         """This chunk followed by ``later`` as one: tokens, text and logprobs concatenated;
@@ -143,6 +147,7 @@ class TokenChunk:
             later.prompt_tokens,
             later.completion_tokens,
             later.index,
+            self.prompt_logprobs or later.prompt_logprobs,
         )
 
 

@@ -43,15 +43,19 @@ def _segments(order: list[tuple[Sequence, int]], pool) -> LoraSegments | None:
     return LoraSegments(torch.tensor(bounds, dtype=torch.int32), per_module, host)
 
 
-def build_step(
-    scheduled: list[tuple[Sequence, int]], pool, block_size: int, device, kv_heads: int
-) -> tuple[StepInputs, list[Sequence]]:
-    """StepInputs for the schedule and the sequences whose next token is sampled (in row order).
-    kv_heads: the model's (this shard's) KV heads, which size the CUDA decode kernel's grid."""
+def step_order(scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    """The step's row order: prefill rows first, then decode rows, each part ordered by adapter."""
     by_adapter = lambda item: item[0].lora_slot  # noqa: E731
     prefill = sorted([x for x in scheduled if x[1] > 1], key=by_adapter)
-    decode = sorted([x for x in scheduled if x[1] == 1], key=by_adapter)
-    order = prefill + decode
+    return prefill + sorted([x for x in scheduled if x[1] == 1], key=by_adapter)
+
+
+def step_rows(scheduled: list[tuple[Sequence, int]], block_size: int):
+    """The step's rows on the host: (order, prefill part, decode part, (token ids, positions, KV
+    slots, rows sampled, the sequences sampled)), in the row order of step_order."""
+    order = step_order(scheduled)
+    decode = [x for x in order if x[1] == 1]
+    prefill = order[: len(order) - len(decode)]
     token_ids, positions, slot_mapping, sample_rows, sampled = [], [], [], [], []
     for seq, n in order:
         row, start = len(token_ids), seq.num_computed
@@ -61,11 +65,28 @@ def build_step(
         if start + n == seq.num_tokens:
             sample_rows.append(row + n - 1)
             sampled.append(seq)
+    return order, prefill, decode, (token_ids, positions, slot_mapping, sample_rows, sampled)
+
+
+def attention_rows(prefill, decode, first_decode: int, block_size: int, device, kv_heads: int) -> PagedBatch:
+    """The step's PagedBatch (its index tensors copied to `device`)."""
     to = lambda values, dtype=torch.int32: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
-    attention = PagedBatch(
+    return PagedBatch(
         _prefill_rows(prefill, block_size, to) if prefill else None,
-        _decode_rows(decode, len(token_ids) - len(decode), device, kv_heads) if decode else None,
+        _decode_rows(decode, first_decode, device, kv_heads) if decode else None,
     )
+
+
+def build_step(
+    scheduled: list[tuple[Sequence, int]], pool, block_size: int, device, kv_heads: int
+) -> tuple[StepInputs, list[Sequence]]:
+    """StepInputs for the schedule and the sequences whose next token is sampled (in row order).
+    kv_heads: the model's (this shard's) KV heads, which size the CUDA decode kernel's grid."""
+    order, prefill, decode, (token_ids, positions, slot_mapping, sample_rows, sampled) = step_rows(
+        scheduled, block_size
+    )
+    to = lambda values, dtype=torch.int32: torch.tensor(values, dtype=dtype).to(device, non_blocking=True)  # noqa: E731
+    attention = attention_rows(prefill, decode, len(token_ids) - len(decode), block_size, device, kv_heads)
     lora = _segments(order, pool) if pool is not None else None
     inputs = StepInputs(
         token_ids=to(token_ids),

@@ -10,6 +10,7 @@ from app.engine.detokenizer import Detokenizer
 from app.engine.grammar import GrammarError, Grammars
 from app.engine.kv_cache import BlockAllocator, allocate_kv
 from app.engine.prefix_cache import PrefixCache, model_key
+from app.engine.prompt_logprobs import wanted
 from app.engine.runner import ModelRunner
 from app.engine.sampler import SampleError
 from app.engine.scheduler import Scheduler, blocks_for, shared_blocks
@@ -48,6 +49,7 @@ class EngineCore:
         self.grammars = Grammars(tokenizer, c.vocab_size, c.eos_token_ids)
         self._arrivals = itertools.count()
         self._seqs: dict[tuple[str, int], Sequence] = {}  # (request id, choice index) → its sequence
+        self._prompt_lp: dict[tuple[str, int], list] = {}  # its prompt logprobs until its first chunk carries them
         self.steps = 0
         self.idle = False
         self.max_batch_seen = 0  # most requests in one forward pass
@@ -79,6 +81,8 @@ class EngineCore:
                 seq.fork_of = seqs[0]
         for seq in seqs:
             self._seqs[seq.key] = seq
+            if wanted(seq):
+                self._prompt_lp[seq.key] = [None]  # the first prompt token has no logprob
         if front:
             self.scheduler.waiting.extendleft(reversed(seqs))
         else:
@@ -94,6 +98,8 @@ class EngineCore:
     def _validate(self, r: GenerateRequest) -> None:
         if r.n < 1:
             raise InvalidRequestError("n must be >= 1")
+        if r.params.prompt_logprobs is not None and r.n > 1:
+            raise InvalidRequestError("prompt logprobs are computed for requests of one choice")
         if any((r.request_id, r.index + j) in self._seqs for j in range(r.n)):
             raise InvalidRequestError(f"request id {r.request_id!r} is already running")
         if not r.prompt_token_ids:
@@ -132,6 +138,8 @@ class EngineCore:
         out += [self._fail(seq, message) for seq, message in plan.failed]
         if plan.scheduled:
             result = self.runner.step(plan.scheduled)
+            for seq, got in result.prompt_logprobs.items():
+                self._prompt_lp[seq.key] += got
             for seq, n in plan.scheduled:
                 self.scheduler.computed(seq, n)
                 self.tokens_computed += n
@@ -170,6 +178,7 @@ class EngineCore:
         return self._chunk(seq, (token,), text, (logprob,) if logprob else None, reason)
 
     def _chunk(self, seq, token_ids, text, logprobs, finish_reason) -> TokenChunk:
+        prompt = self._prompt_lp.pop(seq.key, None)
         return TokenChunk(
             seq.request_id,
             token_ids,
@@ -179,10 +188,12 @@ class EngineCore:
             len(seq.prompt_ids),
             len(seq.output_ids),
             seq.index,
+            None if prompt is None else tuple(prompt),
         )
 
     def _migrate(self, seq: Sequence, reason: str = "kv_cache_exhausted") -> Migrate:
         del self._seqs[seq.key]
+        self._prompt_lp.pop(seq.key, None)
         return Migrate(seq.request_id, seq.prompt_ids, tuple(seq.output_ids), seq.seed, reason, seq.index)
 
     def evict_all(self, reason: str) -> list[Migrate]:
@@ -198,6 +209,7 @@ class EngineCore:
     def _fail(self, seq: Sequence, message: str) -> ErrorChunk:
         """End one request for a reason of its own (its sampling, its adapter); the rest carry on."""
         self._drop(seq)
+        self._prompt_lp.pop(seq.key, None)
         return ErrorChunk(seq.request_id, message, 500, seq.index)
 
     def _drop(self, seq: Sequence) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from app.engine.batch import build_step
+from app.engine.batch import build_step, step_order
 from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import DecodeGraphs
+from app.engine.mixed_graphs import MixedGraphs
+from app.engine.prompt_logprobs import entries, prompt_rows, with_rows
 from app.engine.run_ahead import Ahead
 from app.engine.sampler import draw
 from app.engine.sampling_params import Staging, step_sampling
@@ -50,9 +52,23 @@ class ModelRunner:
             if single and config.cuda_graphs
             else None
         )
+        # steps carrying prefills: graphs of the pieces between attention calls (app/engine/mixed_graphs.py)
+        self.mixed = (
+            MixedGraphs(
+                model,
+                kv,
+                config.max_num_seqs,
+                min(config.max_tokens_per_step, config.mixed_graph_tokens),
+                config.block_size,
+                config.device,
+            )
+            if self.graphs is not None and config.mixed_graph_tokens > 0
+            else None
+        )
         self.readback = Readback(config.max_num_seqs) if single else None
         self.staging = Staging(config.device)
         self.ahead: Ahead | None = None
+        self.prompt_logprobs: dict = {}  # the step run now: Sequence → its prompt logprob entries
         self.steps_taken_ahead = 0
 
     def step(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
@@ -62,8 +78,9 @@ class ModelRunner:
         if out is not None:
             self.steps_taken_ahead += 1
             return out
+        self.prompt_logprobs = {}
         logits, sampled = self.run(scheduled)
-        return StepOutput(sampled, self._draw(logits, sampled))
+        return StepOutput(sampled, self._draw(logits, sampled), prompt_logprobs=self.prompt_logprobs)
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0, pending=None) -> DrawnRows:
         """Queue the sampling of each row of logits (see step_sampling for `ahead` and `pending`)."""
@@ -109,5 +126,13 @@ class ModelRunner:
             order = sorted((s for s, _ in scheduled), key=lambda s: s.lora_slot)
             return self.graphs.run(order), order
         m, c = self.model, self.config
+        extra = prompt_rows(step_order(scheduled))  # a decode-only step (the graphs' above) never has any
+        replayed = self.mixed.run(scheduled) if self.mixed is not None and extra is None else None
+        if replayed is not None:
+            return replayed
         inputs, sampled = build_step(scheduled, m.lora_pool, c.block_size, c.device, m.cfg.num_kv_heads)
-        return m.forward(inputs, self.kv), sampled
+        if extra is None:
+            return m.forward(inputs, self.kv), sampled
+        logits = m.forward(with_rows(inputs, extra), self.kv)
+        self.prompt_logprobs = entries(logits[len(sampled) :], extra)
+        return logits[: len(sampled)], sampled

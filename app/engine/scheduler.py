@@ -149,7 +149,9 @@ class Scheduler:
                 continue
             forked = bool(seq.block_table)  # a waiting request holds blocks only if forked
             if not forked:
-                seq.block_table = self.prefix.match(seq) if self.prefix else []
+                # prompt logprobs need every prompt position run: no cached prefix (app/engine/prompt_logprobs.py)
+                cached = self.prefix and seq.params.prompt_logprobs is None
+                seq.block_table = self.prefix.match(seq) if cached else []
             if blocks_for(seq.num_tokens + 1, self.config.block_size) - len(seq.block_table) > self.allocator.num_free:
                 self._unmatch(seq)
                 self.waiting.appendleft(seq)

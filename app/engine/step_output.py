@@ -97,8 +97,10 @@ class Readback:
 class StepOutput:
     """`sampled[i]`'s next token is row rows[i] (default i) of `drawn`."""
 
-    def __init__(self, sampled: list[Sequence], drawn: DrawnRows, rows: list[int] | None = None):
+    def __init__(self, sampled: list[Sequence], drawn: DrawnRows, rows: list[int] | None = None, prompt_logprobs=None):
+        """prompt_logprobs: Sequence → its prompt logprob entries computed by this step (app/engine/prompt_logprobs.py)."""
         self.sampled, self.drawn = sampled, drawn
+        self.prompt_logprobs = prompt_logprobs or {}
         self.rows = rows if rows is not None else list(range(len(sampled)))
 
     def sample(self) -> tuple[list[int | SampleError], list[dict | None]]:
