@@ -90,11 +90,20 @@ def check_device(device, quantization: Quantization | None, dtype: torch.dtype) 
     device = torch.device(device)
     if quantization is None or device.type != "cuda":
         return
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        raise ValueError(f"quantization fp8 needs fp8 tensor cores (sm_89+, e.g. H100); {name} is sm_{major}{minor}")
+    why = gpu_refusal(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
+    if why:
+        raise ValueError(why)
     warm_up(dtype, device)
+
+
+def gpu_refusal(capability: tuple[int, int], name: str) -> str | None:
+    """The one-line refusal of fp8 on this GPU, or None: fp8 tensor cores came with sm_89 (Ada,
+    Hopper); an A100 (sm_80) has none, and dequantizing to bf16 per step would read more bytes
+    than bf16 weights do."""
+    major, minor = capability
+    if (major, minor) >= (8, 9):
+        return None
+    return f"quantization fp8 needs fp8 tensor cores (sm_89+, e.g. H100); {name} is sm_{major}{minor}: serve it in bf16"
 
 
 def quantize_projections(proj: dict[str, torch.Tensor]) -> tuple[dict, dict]:
