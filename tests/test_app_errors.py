@@ -86,15 +86,10 @@ BAD_BODIES = {  # id: (path, raw body or JSON fields, status, code, param)
     "penalty": (COMPLETIONS, _completion(presence_penalty=2.5), 400, "invalid_value", "presence_penalty"),
     "logit-bias": (CHATS, _chat(logit_bias={"50": 101}), 400, "invalid_value", "logit_bias"),
     "logit-bias-outside-vocab": (CHATS, _chat(logit_bias={"10000000": 1}), 400, "invalid_request_error", None),
-    # the default model's chat template does not render tools (docs/tool_calling.md)
-    "tools": (
-        CHATS,
-        _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-        400,
-        "invalid_request_error",
-        None,
-    ),
-    "echo": (COMPLETIONS, _completion(echo=True), 400, "invalid_value", None),
+    # variables the ingress passes itself (docs/tool_calling.md)
+    "template-kwargs-reserved": (CHATS, _chat(chat_template_kwargs={"tools": []}), 400, "invalid_value", None),
+    "template-fails": (CHATS, _chat(chat_template_kwargs={"default_system": 5}), 400, "invalid_request_error", None),
+    "echo-stream": (COMPLETIONS, _completion(echo=True, stream=True), 400, "invalid_value", None),
     "stream-options-alone": (CHATS, _chat(stream_options={"include_usage": True}), 400, "invalid_value", None),
     "empty-messages": (CHATS, _chat(messages=[]), 400, "invalid_value", "messages"),
     "bad-role": (CHATS, _chat(messages=[{"role": "robot", "content": "x"}]), 400, "invalid_value", "messages"),

@@ -43,14 +43,14 @@ def check_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
-def render(tokenizer, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any]) -> str:
-    """The prompt text for the generation (add_generation_prompt), as transformers renders it."""
+def render(tokenizer, messages: list[dict], tools: list[dict] | None, kwargs: dict[str, Any], **options) -> str:
+    """The prompt text for the generation (add_generation_prompt, unless `options` say otherwise:
+    /tokenize passes its own), as transformers renders it."""
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model has no chat template: use /v1/completions or set chat_template")
+    options = {"add_generation_prompt": True, **options}
     try:
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
-        )
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options, **kwargs)
     except Exception as exc:  # the template's own checks (raise_exception), undefined names, bad values
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise InvalidRequestError(f"the chat template failed to render the request: {reason}") from None

@@ -11,6 +11,8 @@ releases the GIL), so one large prompt never stalls the event loop's other reque
 # real `Request` annotation, not a string, to inject the request.
 import asyncio
 import copy
+import hashlib
+import json
 import threading
 import time
 import uuid
@@ -24,7 +26,7 @@ from transformers import AutoConfig
 from app.engine.factory import load_tokenizer
 from app.errors import AdapterNotFoundError
 from app.model.source import resolve_model
-from app.openai import chat_template, http_errors
+from app.openai import chat_template, http_errors, tokenize_api
 from app.openai.adapter_view import AdapterView
 from app.openai.admin import AdapterAdmin, LoadLoraAdapter, RegisterAdapter, UnloadLoraAdapter
 from app.openai.auth import Auth, Caller, is_loopback, serve_bind_host
@@ -39,6 +41,9 @@ from app.openai.client_stream import (
 )
 from app.openai.requests import ChatCompletionRequest, CompletionRequest
 from app.openai.responses import Formatter
+from app.openai.responses_api import ResponseRun, ResponseStore, collect_response, stream_events
+from app.openai.responses_models import ResponsesRequest, chat_messages
+from app.openai.tokenize_api import DetokenizeRequest, TokenizeRequest
 from app.openai.tool_calls.choice import ToolPlan, ToolSupport
 from app.protocol import GenerateRequest
 from app.serving.config import Settings
@@ -50,6 +55,11 @@ http_errors.install(api)
 _LEGACY_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _PREPARE_THREADS = 4  # bodies parsed and tokenized at once; the rest queue without blocking the loop
 _READY_TIMEOUT_S = 5.0  # /health: a replica that cannot answer a stats call this fast is not serving
+
+
+def _owner(request: Request) -> str:
+    """Whose stored responses a request may read: a digest of its credentials (the same key, the same owner)."""
+    return hashlib.sha256((request.headers.get("authorization") or "").encode()).hexdigest()
 
 
 def load_model_files(model: str | None, tokenizer_loader=load_tokenizer):
@@ -71,6 +81,8 @@ class Ingress:
         blocks = settings.engine.num_kv_blocks  # None: sized by each replica at start-up (auto); it checks
         kv_tokens = blocks * settings.engine.block_size if blocks else model_config.max_position_embeddings
         self.context_limit = min(settings.engine.max_model_len or model_config.max_position_embeddings, kv_tokens)
+        self.vocab_size = model_config.vocab_size
+        self.responses = ResponseStore()  # previous_response_id's retention, this process only
         self.tool_support = ToolSupport.of(self.tokenizer, model_config.model_type, settings.tool_parser)
         host = serve_bind_host()
         self.auth = Auth(settings.api_keys, settings.admin_key, loopback=host is None or is_loopback(host))
@@ -130,6 +142,16 @@ class Ingress:
     async def _generate(
         self, body, caller: Caller, ids: list[int], chat: bool, logprobs: int | None, tools: ToolPlan | None = None
     ):
+        request_id, request, stream = await self._start(body, caller, ids, chat, logprobs, tools)
+        parsers = [tools.parser(self.tokenizer) for _ in range(body.n)] if tools else None
+        fmt = Formatter(request_id, body.model, self.tokenizer, chat, logprobs is not None, body.n, parsers)
+        fmt.echo(body, ids)
+        if body.stream:
+            return StreamingResponse(sse_events(fmt, stream, body.include_usage), media_type="text/event-stream")
+        return await collect(fmt, stream, request.n)
+
+    async def _start(self, body, caller: Caller, ids: list[int], chat: bool, logprobs: int | None, tools):
+        """Resolve the model, submit the generation: (request id, GenerateRequest, its open stream)."""
         adapter, epoch = await self._resolve(body.model, caller)
         default_max = None if chat else _LEGACY_DEFAULT_MAX_TOKENS
         ranked = body.generated > body.n  # best_of ranks choices by their tokens' logprobs
@@ -143,12 +165,44 @@ class Ingress:
         submit = replica_submit(self.generate_on_replica, adapter, epoch)
         # validation errors raise here, before any bytes go out; later each choice moves between replicas
         opener = Choices.open if request.n > 1 else ResubmittingStream.open
-        stream = await opener(submit, request, self.migration)
-        parsers = [tools.parser(self.tokenizer) for _ in range(body.n)] if tools else None
-        fmt = Formatter(request_id, body.model, self.tokenizer, chat, logprobs is not None, body.n, parsers)
+        return request_id, request, await opener(submit, request, self.migration)
+
+    # -- the Responses API (app/openai/responses_api.py) and vLLM's token routes -------------------
+    @api.post("/v1/responses")
+    async def create_response(self, request: Request):
+        caller, owner = self._caller(request), _owner(request)
+        body, chat, ids, plan, history = await self._prepare(request, lambda raw: self._responses_input(raw, owner))
+        _, _, stream = await self._start(chat, caller, ids, True, None, plan)
+        run = ResponseRun(body, plan.parser(self.tokenizer) if plan else None, history, self.responses, owner)
         if body.stream:
-            return StreamingResponse(sse_events(fmt, stream, body.include_usage), media_type="text/event-stream")
-        return await collect(fmt, stream, request.n)
+            return StreamingResponse(stream_events(run, stream), media_type="text/event-stream")
+        answer = await collect_response(run, stream)
+        return answer if isinstance(answer, dict) else http_errors.error_response(*answer, "engine_error")
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str, request: Request):
+        self._caller(request)
+        return self.responses.get(_owner(request), response_id)[0]
+
+    def _responses_input(self, raw: bytes, owner: str):
+        """On a pool thread: (body, its chat request, prompt ids, ToolPlan, the conversation so far)."""
+        body = http_errors.parse_json(raw, ResponsesRequest)
+        earlier = self.responses.get(owner, body.previous_response_id)[1] if body.previous_response_id else []
+        chat = http_errors.parse_json(json.dumps(body.to_chat(earlier)), ChatCompletionRequest)
+        return body, chat, *self._chat_prompt(chat), earlier + chat_messages(body.input_items())
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        self._caller(request)
+        body = await http_errors.parse_body(request, TokenizeRequest, self.settings.max_body_bytes)
+        run = lambda: tokenize_api.tokenize(self._thread_tokenizer(), body, self.context_limit)  # noqa: E731
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, run)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        self._caller(request)
+        body = await http_errors.parse_body(request, DetokenizeRequest, self.settings.max_body_bytes)
+        return tokenize_api.detokenize(self._thread_tokenizer(), body, self.vocab_size)
 
     async def _resolve(self, model: str, caller: Caller) -> tuple[AdapterSpec | None, int]:
         """(adapter spec or None for the base model, registry epoch); a 404 for anything the

@@ -5,6 +5,7 @@ implement (echo, suffix, functions, …) are rejected by name rather than silent
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
@@ -33,11 +34,20 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.stream:
+            raise ValueError("echo cannot be streamed")
+        if self.echo and self.generated > 1:
+            raise ValueError("echo is supported for one choice (n and best_of 1)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    def sampling(self, prompt_len: int, context_limit: int, default_max: int | None, logprobs: int | None):
+        """With echo and logprobs, the prompt's tokens are scored too (app/engine/prompt_logprobs.py)."""
+        params = super().sampling(prompt_len, context_limit, default_max, logprobs)
+        if self.echo and self.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 class TextPart(StrictBody):

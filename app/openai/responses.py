@@ -41,8 +41,11 @@ class Output:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: tuple | None = None  # echo: the prompt tokens' entries (the first None)
 
     def add(self, chunk: TokenChunk) -> None:
+        if self.prompt_logprobs is None:  # a resumed stream's repeat is dropped
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.text.append(chunk.text)
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs or ()
@@ -104,8 +107,16 @@ class Formatter:
         self.tools = tools
         self.created = int(time.time())
         self.piece = lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t]))
+        self.decode = tokenizer.decode
         self.offsets = [0] * n  # completions' text_offset runs across a choice's stream chunks
         self.encode = _json if want_logprobs else _fast  # logprobs carry floats that may be -inf
+        self.echoed: tuple[str, list[int]] | None = None  # completions' echo: (prompt text, its token ids)
+
+    def echo(self, body, ids: list[int]) -> None:
+        """A completion with `echo` answers the prompt before its text (and its tokens' logprobs)."""
+        if getattr(body, "echo", False):
+            prompt = body.prompt if isinstance(body.prompt, str) else self.decode(ids)
+            self.echoed = (prompt, ids)
 
     # -- logprobs ---------------------------------------------------------------
     def _logprobs(self, entries, index: int) -> dict | None:
@@ -151,9 +162,26 @@ class Formatter:
                 self._tool_message(index, out.token_ids, text) if self.tools else {"role": "assistant", "content": text}
             )
         else:
-            choice["text"] = text
+            choice["text"] = text if self.echoed is None else self.echoed[0] + text
+            if self.echoed is not None and self.want_logprobs:
+                choice["logprobs"] = self._echo_logprobs(out, index)
         choice["finish_reason"] = self._finish(out.finish_reason, index)  # after the message: its calls decide
         return choice
+
+    def _echo_logprobs(self, out: Output, index: int) -> dict:
+        """The prompt's tokens (the first without a logprob, as OpenAI's legacy API) then the answer's."""
+        self.offsets[index] = 0
+        prompt = self._completion_logprobs([e for e in out.prompt_logprobs or () if e is not None], index)
+        first = self.echoed[1][0]
+        prompt = {
+            "tokens": [self.piece(first)] + prompt["tokens"],
+            "token_logprobs": [None] + prompt["token_logprobs"],
+            "top_logprobs": [None] + prompt["top_logprobs"],
+            "text_offset": [0] + [o + len(self.piece(first)) for o in prompt["text_offset"]],
+        }
+        self.offsets[index] = len(self.echoed[0])
+        answer = self._completion_logprobs(out.logprobs, index)
+        return {key: prompt[key] + answer[key] for key in prompt}
 
     def _tool_message(self, index: int, token_ids: list[int], text: str) -> dict:
         parser = self.tools[index]
