@@ -1,0 +1,98 @@
+"""Device: the fp8 projection (ops/fp8.py: the activation kernel, then torch._scaled_mm with
+row-wise scales) against its dequantized fp32 reference, and the engine serving fp8 weights
+with adapters under CUDA graphs. Needs sm_89+ (fp8 tensor cores)."""
+
+import shutil
+
+import pytest
+import torch
+
+from ops.fp8 import FP8, _quantize_rows_torch, dequantize, fp8_linear, quantize, quantize_rows
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+        reason="needs a CUDA device with fp8 tensor cores (sm_89+)",
+    ),
+]
+
+DTYPES = (torch.bfloat16, torch.float16)
+# (tokens, out, in): decode and prefill row counts at Llama-2-7B / Llama-3-8B projection shapes
+SHAPES = [(1, 12288, 4096), (7, 6144, 4096), (32, 4096, 4096), (64, 28672, 4096), (64, 4096, 14336), (300, 256, 64)]
+
+
+def _x(rows, cols, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, cols, device="cuda", generator=g).to(dtype)
+    x[0] *= 50.0  # an outlier token: per-token scales keep the others' resolution
+    if rows > 2:
+        x[2] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 16), (5, 4096), (64, 14336), (257, 64)])
+def test_the_activation_kernel_equals_the_torch_form_bit_for_bit(dtype, rows, cols):
+    x = _x(rows, cols, dtype, seed=rows)
+    wide = torch.zeros(rows, cols + 64, device="cuda", dtype=dtype)
+    wide[:, :cols] = x
+    for inp in (x, wide[:, :cols]):  # contiguous, and rows wider apart than cols
+        q, s = quantize_rows(inp)
+        q_ref, s_ref = _quantize_rows_torch(inp)
+        assert q.dtype == FP8 and s.shape == (rows, 1)
+        assert torch.equal(s, s_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,n,k", SHAPES)
+def test_the_fp8_projection_equals_its_dequantized_fp32_reference(dtype, tokens, n, k):
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    bias = torch.randn(n, device="cuda", generator=g).to(dtype)
+    x = _x(tokens, k, dtype, seed=tokens)
+    q, s = quantize(w)
+    y = fp8_linear(x, q, s, bias)
+    assert y.dtype == dtype and y.shape == (tokens, n)
+    qx, sx = quantize_rows(x)
+    ref = dequantize(qx, sx[:, 0]).double() @ dequantize(q, s).double().T  # the formula, exactly
+    out = (y - bias).double()
+    # fp32 accumulation and one rounding to the output dtype: within 2 of its ulps of each value
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    assert ((out - ref).abs() <= 2 * ulp * ref.abs() + 1e-3 * ref.abs().max()).all()
+    # and fp8's own error against the unquantized product: e4m3's 3 mantissa bits on both operands
+    exact = x.double() @ w.double().T
+    assert (out - exact).norm() / exact.norm() < 0.05
+
+
+def test_the_engine_serves_fp8_with_adapters_under_cuda_graphs(tiny_model_dir, tmp_path):
+    """bf16 on the GPU: the fp8 engine's teacher-forced logits (decode steps replay CUDA graphs)
+    match its eager steps', and lie close to the bf16 engine's, base and with an adapter."""
+    from safetensors.torch import load_file, save_file
+
+    from adapters_store.manifest import TARGET_MODULES
+    from app.engine.config import EngineConfig
+    from app.engine.factory import build_engine
+    from tests.family_precision import engine_logits
+    from tests.helpers import make_random_adapter
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    state = load_file(str(model / "model.safetensors"))  # projections at a real model's range (std 0.05)
+    save_file({k: v * 0.25 if "_proj" in k else v for k, v in state.items()}, str(model / "model.safetensors"))
+    adapter = {"a": str(make_random_adapter(model, tmp_path / "a", rank=8, targets=TARGET_MODULES, seed=3))}
+    tokens = [int(t) for t in torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(4))]
+    out = {}
+    for quant, graphs in ((None, True), ("fp8", True), ("fp8", False)):
+        config = EngineConfig(
+            quantization=quant, dtype=torch.bfloat16, device="cuda", cuda_graphs=graphs, num_kv_blocks=64
+        )
+        engine = build_engine(model, config, adapter, tokenizer=None)
+        assert (engine.runner.graphs is not None) == graphs
+        out[quant, graphs] = {a: engine_logits(engine, tokens, a) for a in (None, "a")}
+    cos = torch.nn.functional.cosine_similarity
+    for a in (None, "a"):
+        # a graph pads its rows to the bucket: cuBLAS may pick another kernel for that M
+        assert cos(out["fp8", True][a], out["fp8", False][a], dim=-1).min() > 0.9999
+        assert cos(out["fp8", True][a], out[None, True][a], dim=-1).min() > 0.99
