@@ -6,8 +6,25 @@ On CUDA, shapes the kernels serve (ops/paged_decode.py's `supported`) run on the
 lack) runs the fp32 torch reference (ops/paged_reference.py), which defines what both compute.
 """
 
+import contextlib
+
 from . import paged_attention as kernels
 from . import paged_reference as reference
+
+_split = None  # while set (split_at_attention), it runs in place of every attention call
+
+
+@contextlib.contextmanager
+def split_at_attention(fn):
+    """Inside this block every `paged_attention` call is `fn(out, q, k_cache, v_cache, batch, scale,
+    window, softcap)` instead: app/engine/mixed_graphs.py captures a forward as CUDA graphs of the
+    pieces between its attention calls, the model unchanged."""
+    global _split
+    before, _split = _split, fn
+    try:
+        yield
+    finally:
+        _split = before
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -34,5 +51,7 @@ def paged_attention(out, q, k_cache, v_cache, batch: kernels.PagedBatch, scale, 
     Grouped-query attention: heads is a multiple of kv_heads. window: keys p - window < k <= p
     only (None: all k <= p); softcap: scores = softcap * tanh(scores / softcap) (None: none).
     """
+    if _split is not None:
+        return _split(out, q, k_cache, v_cache, batch, scale, window, softcap)
     path = kernels if _on_kernels(q, k_cache) else reference
     return path.forward(out, q, k_cache, v_cache, batch, scale, window, softcap)

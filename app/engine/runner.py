@@ -14,6 +14,7 @@ import torch
 from app.engine.batch import build_step, step_order
 from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import DecodeGraphs
+from app.engine.mixed_graphs import MixedGraphs
 from app.engine.prompt_logprobs import entries, prompt_rows, with_rows
 from app.engine.run_ahead import Ahead
 from app.engine.sampler import draw
@@ -49,6 +50,19 @@ class ModelRunner:
                 config.device,
             )
             if single and config.cuda_graphs
+            else None
+        )
+        # steps carrying prefills: graphs of the pieces between attention calls (app/engine/mixed_graphs.py)
+        self.mixed = (
+            MixedGraphs(
+                model,
+                kv,
+                config.max_num_seqs,
+                min(config.max_tokens_per_step, config.mixed_graph_tokens),
+                config.block_size,
+                config.device,
+            )
+            if self.graphs is not None and config.mixed_graph_tokens > 0
             else None
         )
         self.readback = Readback(config.max_num_seqs) if single else None
@@ -112,8 +126,11 @@ class ModelRunner:
             order = sorted((s for s, _ in scheduled), key=lambda s: s.lora_slot)
             return self.graphs.run(order), order
         m, c = self.model, self.config
-        inputs, sampled = build_step(scheduled, m.lora_pool, c.block_size, c.device, m.cfg.num_kv_heads)
         extra = prompt_rows(step_order(scheduled))  # a decode-only step (the graphs' above) never has any
+        replayed = self.mixed.run(scheduled) if self.mixed is not None and extra is None else None
+        if replayed is not None:
+            return replayed
+        inputs, sampled = build_step(scheduled, m.lora_pool, c.block_size, c.device, m.cfg.num_kv_heads)
         if extra is None:
             return m.forward(inputs, self.kv), sampled
         logits = m.forward(with_rows(inputs, extra), self.kv)
