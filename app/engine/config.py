@@ -18,7 +18,7 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start-up (False: eager, for debugging)
-    mixed_graph_tokens: int = 1024  # CUDA: steps with prefills of up to this many tokens replay pieces (0: eager)
+    mixed_graph_tokens: int = 0  # CUDA: steps with prefills of up to this many tokens replay graph pieces (0: eager)
     tensor_parallel_size: int = 1  # GPUs (shard workers) one replica's model spans
     prefix_caching: bool = True  # share full KV blocks of equal (weights, token prefix) across requests
     prefix_cache_max_blocks: int | None = None  # unreferenced cached blocks kept at most (None: any free block)
