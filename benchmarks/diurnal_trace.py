@@ -2,8 +2,16 @@
 twice in one go — Ray Serve's default request router + default autoscaling policy, then
 loraplex's consolidating router + consolidation-aware policy (cluster/).
 
-    python benchmarks/diurnal_trace.py            # two runs of the trace, a few minutes each
+    python benchmarks/diurnal_trace.py            # both traces, every arm: ~15 minutes
     python benchmarks/diurnal_trace.py --plot-only
+    python benchmarks/diurnal_trace.py --time-scale 0.1 --out /tmp/d.json   # a plumbing check
+
+Two traces: the diurnal one (240 s) and a ramp 2.7× as steep (90 s, the same peak). Arms:
+Ray Serve's defaults and loraplex's on both; on the steep ramp also loraplex without the
+demand trend (`upscale_lead_s: 0`) and with a warm spare (`min_idle_replicas: 1`), for what
+each costs in replica-seconds. The JSON ends with a `summary`: the loraplex arm on the diurnal
+trace against Ray's defaults (replica-seconds ratio, share of replica-time at batch 0 or full,
+TTFT p99 ratio, busy releases, lost) and which of issue 50's targets it meets.
 
 Poisson arrivals at rate λ(t) = peak · sin(π t / T), adapters Zipf(1.5) over 100 names,
 each request 64 prompt tokens and 32 new ones, streamed. Up to 8 LoraReplica replicas
@@ -39,16 +47,24 @@ import sys
 import threading
 import time
 
-import numpy as np
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.method import save_figure  # noqa: E402
+from benchmarks.diurnal_report import against_default, plot, summarize  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "diurnal_trace.json"
 DILATION = 20.0
 STEP = dict(base_s=0.0060 * DILATION, per_request_s=0.000108 * DILATION, per_prefill_token_s=0.00002 * DILATION)
 MAX_BATCH, MAX_REPLICAS, PROMPT, NEW_TOKENS, ADAPTERS, ZIPF = 8, 8, 64, 32, 100, 1.5
 DELAYS = {"upscale_delay_s": 1.0, "downscale_delay_s": 5.0}
+# the traces: Punica Fig. 13 compressed, and a ramp 2.7× as steep (the same peak in a third the time)
+TRACES = {"diurnal": (240.0, 7.0), "steep": (90.0, 7.0)}
+# arms: Ray Serve's router and policy; loraplex's (cluster/) as configured by default; and, on the
+# steep ramp, loraplex without the trend (upscale_lead_s 0) and with a warm spare, for their cost
+ARMS = {
+    "default": ("default", {}),
+    "loraplex": ("loraplex", {}),
+    "loraplex_no_trend": ("loraplex", {"upscale_lead_s": 0.0}),
+    "loraplex_spare": ("loraplex", {"min_idle_replicas": 1}),
+}
 
 
 def trace(duration_s: float, peak_rps: float, seed: int) -> list[tuple[float, str]]:
@@ -64,7 +80,7 @@ def trace(duration_s: float, peak_rps: float, seed: int) -> list[tuple[float, st
             out.append((t, f"adapter-{rng.choices(range(ADAPTERS), weights)[0]}"))
 
 
-def deployment_options(policy: str) -> dict:
+def deployment_options(policy: str, extra: dict | None = None) -> dict:
     from app.serving.config import parse_args
 
     autoscaling = {
@@ -73,6 +89,7 @@ def deployment_options(policy: str) -> dict:
         "metrics_interval_s": 0.5,
         "look_back_period_s": 2.0,
         **DELAYS,
+        **(extra or {}),
     }
     if policy == "default":  # Ray Serve's router and queue-length policy (its default target, 2 ongoing)
         autoscaling["policy"] = {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}
@@ -127,7 +144,7 @@ class Sampler:
             self.rows.append((time.time(), {n[len(self.prefix) :]: self._last.get(n, -1) for n in names}))
 
 
-def simulated_replica(policy: str):
+def simulated_replica(policy: str, extra: dict | None = None):
     """The LoraReplica deployment with the simulated engine core (the CPU run)."""
     from app.engine.config import EngineConfig
     from app.serving.replica import LoraReplica, ReplicaSettings
@@ -136,7 +153,7 @@ def simulated_replica(policy: str):
     settings = ReplicaSettings(
         None, EngineConfig(max_num_seqs=MAX_BATCH, num_kv_blocks=512, block_size=16), (), migrate_locally=False
     )
-    return LoraReplica.options(**deployment_options(policy)).bind(
+    return LoraReplica.options(**deployment_options(policy, extra)).bind(
         settings, None, functools.partial(simulated_engine, StepTime(**STEP))
     )
 
@@ -149,15 +166,19 @@ async def run_policy(
     new_tokens: int = NEW_TOKENS,
     vocab: int = 32000,
     step: dict | None = STEP,
+    app: str | None = None,
 ) -> dict:
     """Replay ``arrivals`` through the bound LoraReplica deployment ``replica``; the summary
-    (``step``: the step-time model the replicas sleep, None for a real engine)."""
+    (``step``: the step-time model the replicas sleep, None for a real engine). Busy releases
+    are those the consolidating router of this process saw (None for Ray's router)."""
     from ray import serve
 
     from app.openai.client_stream import MigrationPolicy, ResubmittingStream
     from app.protocol import GenerateRequest, SamplingParams
+    from cluster.router import busy_releases
 
-    app = f"diurnal-{policy}"
+    app = app or f"diurnal-{policy}"
+    cut = len(busy_releases())
     serve.run(replica, name=app, route_prefix=None)
     handle = serve.get_deployment_handle("LoraReplica", app).options(stream=True)
     submit = lambda r: handle.generate.remote(r, None, 0)  # noqa: E731
@@ -175,7 +196,7 @@ async def run_policy(
             SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, seed=i),
             adapter,
         )
-        sent, times, tokens, moves, ok = time.time(), [], 0, 0, False
+        sent, times, tokens, moves, ok = time.time(), [], 0, [], False
         try:
             stream = await ResubmittingStream.open(
                 submit, request, MigrationPolicy(max_migrations=8, failover_wait_s=60)
@@ -184,136 +205,101 @@ async def run_policy(
                 if getattr(chunk, "token_ids", None):
                     times.append(time.time())
                     tokens += len(chunk.token_ids)
-            moves = len(stream.moves)
+            moves = [reason for reason, _ in stream.moves]
             ok = tokens == new_tokens
         except Exception as exc:  # counted as lost, with its reason
             print(f"  {request.request_id} lost: {type(exc).__name__}: {exc}", flush=True)
-        records.append({"arrival": sent - start, "times": [t - start for t in times], "ok": ok, "moves": moves})
+        record = {"arrival": sent - start, "times": [t - start for t in times], "ok": ok}
+        records.append({**record, "moves": len(moves), "reasons": moves})
 
     await asyncio.gather(*(one(i, at, a) for i, (at, a) in enumerate(arrivals)))
     await asyncio.sleep(DELAYS["downscale_delay_s"] + 3)  # the tail: idle replicas go
     sampler._stop.set()
     sampler._thread.join()
     serve.delete(app)
-    return summarize(records, sampler.rows, start, max_batch, step)
+    cut = len(busy_releases()) - cut if policy != "default" else None
+    return summarize(records, sampler.rows, start, max_batch, step, cut)
 
 
-def summarize(records, rows, start, max_batch, step: dict | None = STEP) -> dict:
-    ts = np.array([t - start for t, _ in rows])
-    counts = np.array([len(r) for _, r in rows])
-    dt = np.diff(ts, append=ts[-1])
-    batches = [b for _, r in rows for b in r.values() if b >= 0]
-    replica_time = [(d, b) for (_, r), d in zip(rows, dt) for b in r.values() if b >= 0]
-    total = sum(d for d, _ in replica_time) or 1.0
-    edge = sum(d for d, b in replica_time if b == 0 or b >= max_batch) / total
-    ttft = [r["times"][0] - r["arrival"] for r in records if r["times"]]
-    tbt = [b - a for r in records for a, b in zip(r["times"], r["times"][1:])]
-    scale_events = int(np.count_nonzero(np.diff(counts)))
-    busy = [b for b in batches if b > 0]
-    # did the replicas keep the step-time model on this machine? a token per step, so the
-    # median gap between tokens should be the modeled decode step at the typical batch
-    modeled = step["base_s"] + step["per_request_s"] * float(np.median(busy)) if busy and step else None
-    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
-    return {
-        "requests": len(records),
-        "lost": sum(not r["ok"] for r in records),
-        "replica_seconds": float(np.sum(counts * dt)),
-        "share_batch_0_or_max": edge,
-        "share_batch_0": sum(d for d, b in replica_time if b == 0) / total,
-        "share_batch_max": sum(d for d, b in replica_time if b >= max_batch) / total,
-        "p50_ttft_s": pct(ttft, 50),
-        "p99_ttft_s": pct(ttft, 99),
-        "p50_tbt_s": pct(tbt, 50),
-        "p99_tbt_s": pct(tbt, 99),
-        "modeled_step_s": modeled,
-        "p50_tbt_over_model": pct(tbt, 50) / modeled if modeled and tbt else None,
-        "migrations": sum(r["moves"] for r in records),
-        "scale_events": scale_events,
-        "max_replicas_seen": int(counts.max()) if len(counts) else 0,
-        "mean_batch": float(np.mean(batches)) if batches else 0,
-        "timeline": {
-            "t": ts.round(2).tolist(),
-            "replicas": counts.tolist(),
-            "batches": [{k[-8:]: v for k, v in r.items()} for _, r in rows],
-            "arrivals": [round(r["arrival"], 2) for r in records],
-            "tokens": [round(t, 2) for r in records for t in r["times"]],
-        },
-    }
+def run_trace(name: str, duration: float, peak_rps: float, arms: list[str]) -> dict:
+    arrivals = trace(duration, peak_rps, seed=13)
+    out = {"duration_s": duration, "peak_rps": peak_rps, "arms": {}}
+    for arm in arms:
+        policy, extra = ARMS[arm]
+        print(f"{name} / {arm}: {len(arrivals)} requests over {duration:g} s", flush=True)
+        replica = simulated_replica(policy, extra)
+        out["arms"][arm] = asyncio.run(run_policy(policy, arrivals, replica, app=f"{name}-{arm}".replace("_", "-")))
+    default = out["arms"]["default"]
+    out["against_default"] = {a: against_default(r, default) for a, r in out["arms"].items() if a != "default"}
+    return out
 
 
-def plot(result: dict, path: pathlib.Path) -> None:
-    import matplotlib
+KEYS = [
+    "requests",
+    "lost",
+    "replica_seconds",
+    "share_batch_0_or_max",
+    "share_batch_0",
+    "share_batch_max",
+    "share_batch_between",
+    "share_starting",
+    "p50_ttft_s",
+    "p99_ttft_s",
+    "p50_tbt_s",
+    "p99_tbt_s",
+    "p50_tbt_over_model",
+    "migrations",
+    "busy_releases",
+    "scale_events",
+    "max_replicas_seen",
+]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
-    styles = {"default": ("tab:gray", "Ray Serve default router + autoscaler"), "loraplex": ("tab:blue", "loraplex")}
-    for name, (color, label) in styles.items():
-        r = result["policies"][name]["timeline"]
-        end = max(r["t"]) if r["t"] else 1
-        bins = np.arange(0, end + 5, 5)
-        axes[0].hist(
-            r["arrivals"],
-            bins=bins,
-            histtype="step",
-            color=color,
-            weights=[1 / 5] * len(r["arrivals"]),
-            label=f"{label}: requests/s",
-        )
-        axes[0].step(r["t"], r["replicas"], where="post", color=color, linestyle="--", label=f"{label}: replicas")
-        axes[1].hist(
-            r["tokens"], bins=bins, histtype="step", color=color, weights=[1 / 5] * len(r["tokens"]), label=label
-        )
-        names = sorted({k for row in r["batches"] for k in row})
-        for k in names:
-            axes[2].plot(
-                r["t"],
-                [row.get(k, np.nan) if row.get(k, -1) >= 0 else np.nan for row in r["batches"]],
-                color=color,
-                alpha=0.6,
-                linewidth=0.8,
-            )
-    axes[0].set_ylabel("requests/s, replicas")
-    axes[1].set_ylabel("tokens/s")
-    axes[2].set_ylabel("batch per replica")
-    axes[2].set_xlabel("seconds into the trace")
-    axes[0].legend(fontsize=7)
-    axes[1].legend(fontsize=7)
-    save_figure(
-        fig,
-        f"diurnal trace (Punica Fig. 13, compressed): loraplex / default replica-seconds "
-        f"{result['replica_seconds_ratio']:.2f}",
-        path,
-    )
+def table(name: str, t: dict) -> None:
+    arms = t["arms"]
+    print(f"\n{name}: {t['duration_s']:g} s, peak {t['peak_rps']:g} requests/s")
+    print(f"{'':24}" + "".join(f"{a:>19}" for a in arms))
+    for k in KEYS:
+        cells = [arms[a][k] for a in arms]
+        print(f"{k:24}" + "".join(f"{c:>19.3f}" if isinstance(c, float) else f"{c!s:>19}" for c in cells))
+    for a, s in t["against_default"].items():
+        print(f"{a} / default: " + ", ".join(f"{k} {v}" for k, v in s.items() if k != "met"), f"met {s['met']}")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--duration", type=float, default=240.0, help="seconds of rising-then-falling load")
-    ap.add_argument("--peak-rps", type=float, default=7.0)
+    ap.add_argument("--traces", default="diurnal,steep", help="which of " + ",".join(TRACES))
+    ap.add_argument("--steep-arms", default="default,loraplex,loraplex_no_trend,loraplex_spare")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="shorten the traces (a plumbing check)")
+    ap.add_argument("--out", type=pathlib.Path, default=OUT)
     ap.add_argument("--plot-only", action="store_true")
     a = ap.parse_args()
+    out = a.out
     if a.plot_only:
-        plot(json.loads(OUT.read_text()), OUT.with_suffix(".png"))
+        for name, t in json.loads(out.read_text())["traces"].items():
+            plot(t, f"{name} trace (Punica Fig. 13, compressed)", out.with_name(f"{out.stem}_{name}.png"))
         return
+    import os
+
     import ray
 
+    load_before = os.getloadavg()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     from ray import serve
 
     serve.start()
-    arrivals = trace(a.duration, a.peak_rps, seed=13)
-    policies = {}
-    for policy in ("default", "loraplex"):
-        print(f"{policy}: {len(arrivals)} requests over {a.duration:g} s", flush=True)
-        policies[policy] = asyncio.run(run_policy(policy, arrivals, simulated_replica(policy)))
+    traces = {}
+    for name in a.traces.split(","):
+        arms = a.steep_arms.split(",") if name == "steep" else ["default", "loraplex"]
+        duration, peak = TRACES[name]
+        traces[name] = run_trace(name, duration * a.time_scale, peak, arms)
     serve.shutdown()
     ray.shutdown()
-    ratio = policies["loraplex"]["replica_seconds"] / policies["default"]["replica_seconds"]
+    first = next(iter(traces.values()))["against_default"]["loraplex"]
     result = {
         "date": datetime.date.today().isoformat(),
         "machine": "2 CPU cores, simulated engine (see docstring)",
+        "load_average_before_and_after": [list(load_before), list(os.getloadavg())],
         "step_time_model_s": STEP,
         "dilation": DILATION,
         "max_batch": MAX_BATCH,
@@ -323,37 +309,16 @@ def main():
         "adapters": ADAPTERS,
         "zipf": ZIPF,
         "delays": DELAYS,
-        "duration_s": a.duration,
-        "peak_rps": a.peak_rps,
-        "replica_seconds_ratio": ratio,
-        "policies": policies,
+        "arms": {k: {"policy": p, "autoscaling": e} for k, (p, e) in ARMS.items()},
+        "traces": traces,
+        # the loraplex arm on the first trace (the diurnal one) against Ray's defaults
+        "summary": {k: v for k, v in first.items() if k != "met"} | {"met": first["met"]},
     }
-    OUT.write_text(json.dumps(result, indent=1))
-    keys = [
-        "requests",
-        "lost",
-        "replica_seconds",
-        "share_batch_0_or_max",
-        "p50_ttft_s",
-        "p99_ttft_s",
-        "p50_tbt_s",
-        "p99_tbt_s",
-        "p50_tbt_over_model",
-        "migrations",
-        "scale_events",
-        "max_replicas_seen",
-    ]
-    print(f"{'':24}" + "".join(f"{p:>14}" for p in policies))
-    for k in keys:
-        print(
-            f"{k:24}"
-            + "".join(
-                f"{policies[p][k]:>14.3f}" if isinstance(policies[p][k], float) else f"{policies[p][k]!s:>14}"
-                for p in policies
-            )
-        )
-    print(f"replica_seconds_ratio (loraplex / default): {ratio:.3f}")
-    plot(result, OUT.with_suffix(".png"))
+    out.write_text(json.dumps(result, indent=1))
+    for name, t in traces.items():
+        table(name, t)
+        plot(t, f"{name} trace (Punica Fig. 13, compressed)", out.with_name(f"{out.stem}_{name}.png"))
+    print(f"load average before / after: {result['load_average_before_and_after']}")
 
 
 if __name__ == "__main__":
