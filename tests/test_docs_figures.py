@@ -68,7 +68,8 @@ def _values(path: pathlib.Path) -> np.ndarray:
 
 
 def _named(text: str, stems: list[str]) -> list[str]:
-    return [s for s in stems if re.search(r"(?<![\w-])" + re.escape(s) + r"(?=[.`*\s])", text)]
+    """Result files the text names: `stem.json`, `stem.*`, `stem*.*` (not a route or script of that name)."""
+    return [s for s in stems if re.search(r"(?<![\w-])" + re.escape(s) + r"(?=\.(?:json|png|log|\*)|\*)", text)]
 
 
 def _holds(values: np.ndarray, figure: float, decimals: int) -> bool:
