@@ -79,13 +79,14 @@ def word_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0")
 
 
-def make_checkpoint(root: pathlib.Path, tiny: bool) -> pathlib.Path:
+def make_checkpoint(root: pathlib.Path, tiny: bool, base_shape: dict = SHAPE) -> pathlib.Path:
+    """base_shape: the model's config fields (SHAPE: Llama-2-7B's); tiny keeps its vocabulary only."""
     import torch
     from safetensors.torch import save_file
 
     shape = (
         dict(
-            SHAPE,
+            base_shape,
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=2,
@@ -93,7 +94,7 @@ def make_checkpoint(root: pathlib.Path, tiny: bool) -> pathlib.Path:
             num_key_value_heads=4,
         )
         if tiny
-        else SHAPE
+        else base_shape
     )
     path, device = root / "model", "cuda" if torch.cuda.is_available() else "cpu"
     path.mkdir(parents=True, exist_ok=True)
