@@ -210,7 +210,13 @@ def engine_rows(a, settings, root: pathlib.Path, runs) -> list[dict]:
 
 
 def http_rows(a, args: dict, runs) -> list[dict]:
+    import resource
+
     import ray
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one connection per stream in flight
+    cap = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, cap), hard))
     from ray import serve
 
     from app.builder import app_from_args
