@@ -2,7 +2,7 @@
 
 Registration must reach every LoraReplica, including replicas started later by
 autoscaling. Rather than broadcast, the registry is the single source of truth:
-the ingress resolves each request's adapter here and sends its AdapterSpec
+the ingress resolves each request's adapter from it and sends its AdapterSpec
 (name, path, serial) along, so any replica can register it on demand (the
 engine's AdapterStore then loads it and tracks its content version); each change
 bumps an epoch, and a replica that sees a newer epoch re-reads the list and
