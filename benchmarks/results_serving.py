@@ -11,18 +11,20 @@ def serve_bench(folder: pathlib.Path) -> list[Row]:
     """vLLM's serving benchmark replicated (benchmarks/serve_bench.py): each HTTP row beside the
     engine-alone row of the same workload, adapters, lengths, concurrency and rate."""
     out = []
-    keys = ("workload", "adapters", "input_len", "output_len", "concurrency", "request_rate")
+    keys = ("shape", "workload", "adapters", "input_len", "output_len", "concurrency", "request_rate")
     for name in gpu_files(folder, "serve_bench"):
         d = load(folder, name)
         rows = d.get("rows", [])
-        for http in (r for r in rows if r.get("path") == "http"):
+        for http in (r for r in rows if r.get("path") == "http" and r.get("shape") != "tiny"):
             twin = [r for r in rows if r.get("path") == "engine" and all(r.get(k) == http.get(k) for k in keys)]
             conc = "all at once" if is_unbounded(http.get("concurrency")) else f"{http['concurrency']} concurrent"
             rate = "" if is_unbounded(http.get("request_rate")) else f", Poisson {http['request_rate']} req/s"
             adapters = http.get("adapters") or 0
+            lengths = f"{http['input_len']}/{http['output_len']}" if http.get("input_len") else "mixed lengths"
+            shape = f"{http['shape']} shape, " if http.get("shape") else ""
             measure = (
-                f"over HTTP, `serve_bench.py` {http.get('workload', '')} {http.get('input_len')}/"
-                f"{http.get('output_len')}, {conc}{rate}, {f'{adapters} adapters' if adapters else 'base model'}"
+                f"over HTTP, `serve_bench.py` {shape}{http.get('workload', '')} {lengths}, {conc}{rate}, "
+                f"{f'{adapters} adapters' if adapters else 'base model'}"
             )
             beside = ""
             if twin:
@@ -30,7 +32,7 @@ def serve_bench(folder: pathlib.Path) -> list[Row]:
                 beside = f"engine alone {n(eng)} ({ratio(http['output_tok_s'] / eng)})"
             ttft = http.get("ttft_p99_ms")
             ours = f"{n(http['output_tok_s'])} output tok/s" + (f", TTFT p99 {n(ttft)} ms" if ttft is not None else "")
-            key = f"serve_bench_{name}_{http.get('workload')}_{adapters}_{http.get('input_len')}_{conc}{rate}"
+            key = f"serve_bench_{name}_{http.get('shape')}_{http.get('workload')}_{adapters}_{lengths}_{conc}{rate}"
             default = (http.get("input_len"), http.get("output_len")) == (1024, 128) and not rate and "all" in conc
             out.append(row(d, name, key, measure, ours, beside, "results", headline=default))
     return out
@@ -111,7 +113,8 @@ def diurnal(folder: pathlib.Path) -> list[Row]:
     ours, ray = d["policies"]["loraplex"], d["policies"]["default"]
     s = d.get("summary") or {}
     full = s.get("batch0_or_full_fraction", ours["share_batch_0_or_max"])
-    busy = f", {s['busy_releases']} busy releases" if "busy_releases" in s else ""
+    busy = f", {s['busy_releases']} busy releases" if s.get("busy_releases") is not None else ""
+    tail = f" ({ratio(s['ttft_p99_ratio'])} Ray's)" if s.get("ttft_p99_ratio") else ""
     return [
         row(
             d,
@@ -119,7 +122,7 @@ def diurnal(folder: pathlib.Path) -> list[Row]:
             "diurnal",
             "autoscaling, diurnal trace (simulated engine): replica-seconds, time at batch 0 or full, TTFT p99",
             f"{ratio(s.get('replica_seconds_ratio', d['replica_seconds_ratio']))} Ray's replica-seconds, "
-            f"{100 * full:.0f} %, TTFT p99 {ours['p99_ttft_s']:.2f} s, {ours['lost']} lost{busy}",
+            f"{100 * full:.0f} %, TTFT p99 {ours['p99_ttft_s']:.2f} s{tail}, {ours['lost']} lost{busy}",
             f"Ray Serve's router + autoscaler: {100 * ray['share_batch_0_or_max']:.0f} %, "
             f"TTFT p99 {ray['p99_ttft_s']:.2f} s, {ray['lost']} lost",
             "diurnal-trace-cpu-and-h200",

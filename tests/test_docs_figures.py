@@ -153,6 +153,7 @@ def test_rows_of_result_files_other_benchmarks_add(tmp_path):
             "rows": [
                 dict(
                     path=p,
+                    shape="llama3-8b",
                     workload="random",
                     adapters=32,
                     input_len=1024,
@@ -179,3 +180,15 @@ def test_rows_of_result_files_other_benchmarks_add(tmp_path):
     (s,) = results_serving.serve_bench(tmp_path)
     assert s.headline and s.beside == "engine alone 2,776 (0.94×)" and "all at once" in s.measure
     assert all(results_table.is_headline(r) for r in (f, d, m, s))
+
+
+def test_the_diurnal_row_reads_the_summary_when_the_file_has_one(tmp_path):
+    arm = dict(share_batch_0_or_max=0.5, p99_ttft_s=0.6, lost=0)
+    data = dict(replica_seconds_ratio=0.7, policies=dict(loraplex=arm, default={**arm, "p99_ttft_s": 0.4}))
+    (tmp_path / "diurnal_trace.json").write_text(json.dumps(data))
+    (before,) = results_serving.diurnal(tmp_path)
+    assert before.ours == "0.70× Ray's replica-seconds, 50 %, TTFT p99 0.60 s, 0 lost"
+    summary = dict(replica_seconds_ratio=0.58, batch0_or_full_fraction=0.83, ttft_p99_ratio=1.5, busy_releases=0)
+    (tmp_path / "diurnal_trace.json").write_text(json.dumps({**data, "summary": summary}))
+    (after,) = results_serving.diurnal(tmp_path)
+    assert after.ours == "0.58× Ray's replica-seconds, 83 %, TTFT p99 0.60 s (1.50× Ray's), 0 lost, 0 busy releases"
