@@ -24,7 +24,7 @@ import numpy as np
 from benchmarks import results_serving, results_table
 from benchmarks.results_engine import determinism, fp8
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # any tests/ depth
 RESULTS = ROOT / "benchmarks" / "results"
 GENERATED = re.compile(r"<!-- results-[a-z]+:begin -->.*?<!-- results-[a-z]+:end -->", re.S)
 NUMBER = re.compile(

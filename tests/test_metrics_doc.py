@@ -10,7 +10,7 @@ import json
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = next(p for p in pathlib.Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # any tests/ depth
 DASHBOARD = ROOT / "examples" / "grafana_loraplex.json"
 # how each module spells a metric's name where it constructs it
 BUILT = (
