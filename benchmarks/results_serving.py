@@ -249,3 +249,34 @@ def diurnal_gpu(folder: pathlib.Path) -> list[Row]:
             )
         )
     return out
+
+
+def engine_process_cpu(folder: pathlib.Path) -> list[Row]:
+    """The engine in its own process against in-process on the CPU (benchmarks/engine_process_cpu.py)."""
+    out = []
+    for name, model in (
+        ("engine_process_cpu.json", "SmolLM2-135M"),
+        ("engine_process_cpu_simulated.json", "simulated"),
+    ):
+        d = load(folder, name)
+        if d is None or not d.get("rows"):
+            continue
+        rows = d["rows"]
+
+        def median(flag):
+            v = sorted(r["tok_s"] for r in rows if r["engine_process"] == flag)
+            return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2 if v else float("nan")
+
+        out.append(
+            row(
+                d,
+                name,
+                f"engine_process_{name}",
+                f"CPU over HTTP, {model} engine, {rows[0]['clients']} streaming clients: engine in its own process "
+                f"(median of {len(rows) // 2} alternating rounds)",
+                f"{n(median(True))} tok/s",
+                f"in-process, same run: {n(median(False))} tok/s",
+                "results",
+            )
+        )
+    return out

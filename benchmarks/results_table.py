@@ -42,6 +42,7 @@ EXTRACTORS = (
     engine.serve_http,
     serving.serve_bench,
     serving.served_path,
+    serving.engine_process_cpu,
     serving.cpu,
     serving.cpu_paths,
     serving.cluster,

@@ -192,3 +192,12 @@ def test_the_diurnal_row_reads_the_summary_when_the_file_has_one(tmp_path):
     (tmp_path / "diurnal_trace.json").write_text(json.dumps({**data, "summary": summary}))
     (after,) = results_serving.diurnal(tmp_path)
     assert after.ours == "0.58× Ray's replica-seconds, 83 %, TTFT p99 0.60 s (1.50× Ray's), 0 lost, 0 busy releases"
+
+
+def test_the_engine_process_row_is_the_median_of_each_variant(tmp_path):
+    assert results_serving.engine_process_cpu(tmp_path) == []
+    runs = [(False, 100.0), (True, 120.0), (True, 110.0), (False, 90.0)]
+    rows = [dict(engine_process=f, tok_s=t, clients=16, round=k // 2 + 1) for k, (f, t) in enumerate(runs)]
+    (tmp_path / "engine_process_cpu.json").write_text(json.dumps({"machine": "2 CPU cores", "rows": rows}))
+    (r,) = results_serving.engine_process_cpu(tmp_path)
+    assert (r.ours, r.beside, r.machine) == ("115 tok/s", "in-process, same run: 95 tok/s", "CPU (2 cores)")
