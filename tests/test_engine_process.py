@@ -36,6 +36,7 @@ def model(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-process")
     model = make_tiny_chat_llama(root / "model")
     make_random_adapter(model, root / "a1", rank=4, targets=["q_proj", "v_proj"], seed=1)
+    make_random_adapter(model, root / "a2", rank=4, targets=["q_proj", "v_proj"], seed=2)
     return model
 
 
@@ -135,6 +136,24 @@ def test_leaving_a_stream_aborts_it_and_a_drain_moves_the_rest(child):
     assert isinstance(rest[-1], Migrate) and rest[-1].reason == "draining"
     stats = child.stats().result(DEADLINE_S)
     assert stats["running"] == stats["waiting"] == 0  # the aborted one holds nothing either
+
+
+def test_a_request_left_while_its_adapter_loads_never_runs(child, model):
+    async def scenario():
+        await child.store.register("a2", str(model.parent / "a2"))  # registered, not loaded
+        request = GenerateRequest("early", (1, 2, 3), SamplingParams(max_tokens=200, seed=1), "a2")
+        task = asyncio.ensure_future(child.generate(request).__anext__())
+        await asyncio.sleep(0)  # the add is sent; its adapter loads in the engine process
+        task.cancel()
+        await child.store.load("a2")  # the same load: done only after the add's preparation
+        short = GenerateRequest("after", (4, 5, 6), SamplingParams(max_tokens=2, seed=2))
+        return [c async for c in child.generate(short)]
+
+    after = asyncio.run(scenario())
+    assert after[-1].finish_reason == "length"
+    stats = child.stats().result(DEADLINE_S)
+    # a 200-token request added before the 2-token one would still be running now
+    assert stats["running"] == stats["waiting"] == 0
 
 
 def test_the_childs_death_ends_every_stream_and_is_reported(settings):

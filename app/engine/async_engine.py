@@ -16,7 +16,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from app.engine.core import EngineCore
 from app.engine.engine_loop import EngineLoop, StreamState, describe
@@ -56,6 +56,14 @@ def send_to_loops(outbox: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Ch
         except RuntimeError:  # that loop is closed: nobody reads its streams any more
             log.warning("dropped %d chunks for a closed event loop", len(deliveries))
     outbox.clear()
+
+
+def settle(accepted: Future, error: BaseException | None) -> None:
+    """Answer an add; its caller may have left meanwhile (cancelling the Future: its finally aborts the request)."""
+    try:
+        accepted.set_result(None) if error is None else accepted.set_exception(error)
+    except InvalidStateError:
+        pass
 
 
 class Callers:
@@ -176,10 +184,7 @@ class AsyncEngine(EngineLoop):
 
     # -- engine thread --------------------------------------------------------------
     def _accepted(self, stream: _Stream, error: Exception | None) -> None:
-        if error is None:
-            stream.accepted.set_result(None)
-        else:
-            stream.accepted.set_exception(error)
+        settle(stream.accepted, error)
 
     def _emit(self, stream: _Stream, chunk: Chunk) -> None:
         self._outbox[stream.loop].append((stream, chunk))

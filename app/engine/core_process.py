@@ -98,9 +98,17 @@ class Preparer:
         self.out = out
         self.store = loop.core.adapters
         self.compiles = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._preparing: dict[str, int] = {}  # request id → adds of it being prepared
+        self._aborted: set[str] = set()  # aborted while being prepared: their adds are dropped
 
     def add(self, stream: StreamState) -> None:
         name = stream.request.adapter
+        if not name and stream.request.params.guide is None:
+            return self.loop.post(("add", stream, None, None))
+        with self._lock:
+            rid = stream.request.request_id
+            self._preparing[rid] = self._preparing.get(rid, 0) + 1
         if not name:
             return self._then_grammar(stream, None)
         prefetch = getattr(self.store, "prefetch", None)
@@ -117,7 +125,7 @@ class Preparer:
     def _then_grammar(self, stream: StreamState, adapter) -> None:
         guide = stream.request.params.guide
         if guide is None:
-            return self.loop.post(("add", stream, adapter, None))
+            return self._post(stream, adapter, None)
         self.compiles.submit(self._compile, stream, adapter, guide)
 
     def _compile(self, stream: StreamState, adapter, guide) -> None:
@@ -125,10 +133,33 @@ class Preparer:
             grammar = self.loop.core.grammars.compile(guide)
         except Exception as exc:
             return self._reject(stream, exc)
-        self.loop.post(("add", stream, adapter, grammar))
+        self._post(stream, adapter, grammar)
+
+    def abort(self, request_id: str) -> None:
+        """In order with the adds before it: one still being prepared never reaches the loop."""
+        with self._lock:
+            if request_id in self._preparing:
+                self._aborted.add(request_id)
+        self.loop.post(("abort", request_id))
+
+    def _prepared(self, stream: StreamState) -> bool:
+        """Whether the add still goes ahead (it was not aborted meanwhile)."""
+        rid = stream.request.request_id
+        with self._lock:
+            self._preparing[rid] -= 1
+            aborted = rid in self._aborted
+            if not self._preparing[rid]:
+                del self._preparing[rid]
+                self._aborted.discard(rid)
+        return not aborted
+
+    def _post(self, stream: StreamState, adapter, grammar) -> None:
+        if self._prepared(stream):
+            self.loop.post(("add", stream, adapter, grammar))
 
     def _reject(self, stream: StreamState, error: BaseException) -> None:
-        self.out.send(("step", [(stream.request.request_id, wire.encode_error(error))], []))
+        if self._prepared(stream):
+            self.out.send(("step", [(stream.request.request_id, wire.encode_error(error))], []))
 
     def store_call(self, call_id: int, method: str, args: tuple) -> None:
         """register / unregister / version run here, in order with the adds that follow;
@@ -173,7 +204,7 @@ def _read(conn, loop: ProcessLoop, out: Sender, prep: Preparer) -> None:
         if kind == "add":
             prep.add(StreamState(message[1], message[2]))
         elif kind == "abort":
-            loop.post(("abort", message[1]))
+            prep.abort(message[1])
         elif kind in ("call", "drain"):
             call_id = message[1]
             fn, args = (message[2], message[3]) if kind == "call" else (lambda core: loop.evict_all("draining"), ())

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 
 from app.engine import core_process
 from app.engine import engine_wire as wire
-from app.engine.async_engine import Callers, _Stream, relay, send_to_loops
+from app.engine.async_engine import Callers, _Stream, relay, send_to_loops, settle
 from app.engine.engine_loop import describe
 from app.protocol import Chunk, ErrorChunk, GenerateRequest, is_final
 
@@ -109,7 +109,8 @@ class ProcessEngine:
         finally:
             if self._streams.get(request.request_id) is stream:
                 del self._streams[request.request_id]
-            refused = stream.accepted.done() and stream.accepted.exception() is not None
+            accepted = stream.accepted
+            refused = accepted.done() and not accepted.cancelled() and accepted.exception() is not None
             if not finished and not refused:  # taken, or perhaps taken: end it there
                 self.abort(request.request_id)
             self._callers.leave()
@@ -185,10 +186,8 @@ class ProcessEngine:
     def _step(self, accepts: list, chunks: list) -> None:
         for request_id, error in accepts:
             stream = self._streams.get(request_id)
-            if stream is not None and not stream.accepted.done():
-                stream.accepted.set_result(None) if error is None else stream.accepted.set_exception(
-                    wire.decode_error(error)
-                )
+            if stream is not None:
+                settle(stream.accepted, None if error is None else wire.decode_error(error))
         outbox: dict = defaultdict(list)
         for t in chunks:
             chunk = wire.decode_chunk(t)
@@ -212,7 +211,7 @@ class ProcessEngine:
         outbox: dict = defaultdict(list)
         for request_id, stream in list(self._streams.items()):
             if not stream.accepted.done():
-                stream.accepted.set_exception(EngineDeadError(self._dead))
+                settle(stream.accepted, EngineDeadError(self._dead))
                 continue
             for i in sorted(stream.unfinished):
                 outbox[stream.loop].append((stream, ErrorChunk(request_id, self._dead, 503, i)))
