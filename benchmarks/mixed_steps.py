@@ -400,13 +400,15 @@ def main():
     e2e.SHAPE.clear()
     e2e.SHAPE.update(TINY if tiny else e2e.SHAPES["llama3-8b"])
     cfg8 = e2e.model_config()
-    model8 = LlamaModel(cfg8, e2e.random_weights(cfg8, dtype, device)) if {"breakdown", "vllm"} & set(parts) else None
+    llama3 = lambda: LlamaModel(cfg8, e2e.random_weights(cfg8, dtype, device))  # noqa: E731 (made per part: 80 GB cards)
     if "breakdown" in parts:
         shapes = [(1984, 64), (1792, 256), (448, 64)] if not tiny else [(48, 4), (16, 2)]
         for over in variants:
 
             def run_breakdown(over=over):
-                engine = build_engine(model8, 256 if not tiny else 8, 8192, 256 * 72 + 512, device, dtype, **_cfg(over))
+                engine = build_engine(
+                    llama3(), 256 if not tiny else 8, 8192, 256 * 72 + 512, device, dtype, **_cfg(over)
+                )
                 data["startup"].append(startup_row("llama3-8b", engine, over))
                 for r in breakdown(engine, bw, rate, shapes, 3 if tiny else 5, device, CTX):
                     data["breakdown"].append(dict(r, shape="llama3-8b", **over))
@@ -425,7 +427,8 @@ def main():
             def run_chat(over=over):
                 pool = LoraPool(cfg.shape, PoolConfig(batch, 16, dtype, device))
                 model = LlamaModel(cfg, weights, pool)
-                engine = build_engine(model, batch, 2048, batch * 128 + 64, device, dtype, **_cfg(over))
+                # 80 blocks of 16 a request on average (longer ones preempt the newest): fits an 80 GB card
+                engine = build_engine(model, batch, 2048, batch * 80 + 64, device, dtype, **_cfg(over))
                 data["startup"].append(startup_row("llama2-7b", engine, over))
                 shapes = [(256, 63), (1024, 32)] if not tiny else [(16, 2)]
                 for adapters in (None, names):
@@ -444,7 +447,7 @@ def main():
 
             def run_vllm(over=over, budgets=budgets, n=n):
                 batch = 256 if not tiny else 4
-                data["vllm"].extend(vllm_workload(model8, n, budgets, batch, device, dtype, bw, rate, tiny, over))
+                data["vllm"].extend(vllm_workload(llama3(), n, budgets, batch, device, dtype, bw, rate, tiny, over))
 
             guarded("vllm", over, run_vllm)
     summarize(data)
