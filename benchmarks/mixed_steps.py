@@ -436,7 +436,8 @@ def main():
                         engine, bw, rate, shapes, 3 if tiny else 5, device, 320 if not tiny else 24, adapters
                     ):
                         data["breakdown"].append(dict(r, shape="llama2-7b", **over))
-                data["chat"].extend(chat(engine, names, n_wave, n_chat, tiny, over))
+                if n_chat:  # 0: the step breakdown only
+                    data["chat"].extend(chat(engine, names, n_wave, n_chat, tiny, over))
 
             guarded("chat", over, run_chat)
         del weights, names
