@@ -88,6 +88,7 @@ class KvPlan:
             "used_gb": round(self.used / GB, 3),
             "workspace_gb": round(self.workspace / GB, 3),
             "utilization": self.utilization,
+            "largest_blocks": self.largest if self.device_total else None,
         }
 
 

@@ -8,6 +8,7 @@ adds Ray's ``ray_`` prefix, and ``_total`` / ``_bucket`` suffixes):
   loraplex_engine_requests_running, _requests_waiting        gauges
   loraplex_engine_kv_blocks_used, _kv_blocks_total            gauges
   loraplex_engine_kv_blocks_free, _kv_blocks_cached           gauges (free counts unreferenced cached blocks)
+  loraplex_engine_kv_cache_bytes                              gauge: the KV cache's memory (auto-sized on CUDA)
   loraplex_engine_prefix_cache_hit_tokens{adapter}            counter: prompt tokens read from the prefix cache
   loraplex_engine_prefix_cache_query_tokens{adapter}          counter: prompt tokens of requests looked up
   loraplex_engine_batch_size, _step_seconds                   histograms, one sample per step
@@ -83,6 +84,7 @@ class EngineMetrics:
             name("kv_blocks_free"), description="KV blocks free to allocate (cached unreferenced included)"
         )
         self.kv_cached = Gauge(name("kv_blocks_cached"), description="KV blocks holding a cached prefix")
+        self.kv_bytes = Gauge(name("kv_cache_bytes"), description="GPU memory of the KV cache (sized at start-up)")
         self.prefix = {  # engine stats key → counter; the engine's totals are cumulative
             "prefix_hit_tokens": RayCounter(
                 name("prefix_cache_hit_tokens"),
@@ -145,6 +147,8 @@ class EngineMetrics:
         self.kv_total.set(s["total_kv_blocks"])
         self.kv_free.set(s["free_kv_blocks"])
         self.kv_cached.set(s.get("cached_kv_blocks", 0))
+        if "kv_cache" in s:  # the start-up's KV plan (app/engine/kv_sizing.py)
+            self.kv_bytes.set(s["kv_cache"]["bytes"])
         self._publish(batch)
         self._publish_prefix(s)
 
