@@ -67,9 +67,14 @@ def check_finite(q: torch.Tensor, s: torch.Tensor, name: str) -> None:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_x [M, K] e4m3 contiguous, s_x [M, 1] fp32) of x [M, K], one scale per row (token)."""
-    if x.is_cuda and x.dtype in _CTYPE and x.shape[1] % 8 == 0 and x.stride(1) == 1 and x.stride(0) % 8 == 0:
+    if x.is_cuda and x.dtype in _CTYPE and _kernel_layout(x):
         return _quantize_rows_kernel(x)
     return _quantize_rows_torch(x)
+
+
+def _kernel_layout(x) -> bool:
+    """The kernel reads 16-byte vectors: unit-stride rows, 8-element multiples, aligned."""
+    return x.shape[1] % 8 == 0 and x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
 
 
 def _quantize_rows_torch(x):
