@@ -13,8 +13,8 @@ policy keeps a short history of it in `state`. Decisions (`decide`, a pure funct
 - up, when requests have waited for room for `upscale_delay_s`: by as many replicas as
   that work needs (⌈waiting / max batch⌉, less those already starting), within max_replicas;
 - up, when the demand expected `upscale_lead_s` ahead (now plus its rise over
-  `trend_window_s`: the smaller slope of the window's two halves, so a step is no trend)
-  would fill the replicas above `high_water`, plus `min_idle_replicas` warm spares, for
+  `trend_window_s`: the smaller slope of the window's two halves, so a step is no trend; at
+  most one replica's worth) would fill the replicas above `high_water`, plus `min_idle_replicas` warm spares, for
   `upscale_delay_s`: room before it is needed, since a replica takes seconds (CPU) to a
   minute (GPU) to start;
 - down, only by the newest replicas (the ones Ray stops) that have held no request for
@@ -55,7 +55,7 @@ class PolicyConfig:
     high_water: float = 0.75
     release_grace_s: float = 10.0  # a released replica Serve still lists as running is not counted again
     min_idle_replicas: int = 0  # warm spares beyond the demand (replica-seconds for tail latency)
-    trend_window_s: float = 10.0  # the demand's slope is fitted over this window
+    trend_window_s: float = 20.0  # the demand's slope is fitted over this window
     upscale_lead_s: float = 10.0  # how far ahead the trend is followed: about a replica's start time
 
 
@@ -174,7 +174,9 @@ def _wanted(now: float, demand: float, cfg: PolicyConfig, state: dict) -> tuple[
     ahead on its trend, plus the warm spares. Records the demand and the answer in ``state``."""
     history = [(t, d) for t, d in state.get("demand") or () if now - t <= cfg.trend_window_s] + [(now, demand)]
     state["demand"] = history
-    ahead = demand + max(0.0, _slope(history, cfg.trend_window_s)) * cfg.upscale_lead_s
+    # at most one replica ahead: the slope of a few seconds of Poisson load is noisy, and every
+    # replica started on it and not used is released again after the delay (its start is paid)
+    ahead = demand + min(cfg.high_water, max(0.0, _slope(history, cfg.trend_window_s)) * cfg.upscale_lead_s)
     wanted = _replicas(ahead, cfg) + cfg.min_idle_replicas
     state["wanted"] = [(t, w) for t, w in state.get("wanted") or () if now - t <= cfg.downscale_delay_s]
     state["wanted"].append((now, wanted))

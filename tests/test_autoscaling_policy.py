@@ -7,7 +7,7 @@ import pytest
 from app.serving.config import parse_args
 from cluster.autoscaling import POLICY_PATH, PolicyConfig, ReplicaLoad, decide, ray_autoscaling_config
 
-CFG = PolicyConfig(upscale_delay_s=2.0, downscale_delay_s=10.0, high_water=0.9)
+CFG = PolicyConfig(upscale_delay_s=2.0, downscale_delay_s=10.0, high_water=0.9, trend_window_s=10.0)
 
 
 def load(name, running=0, waiting=0, idle_since=0.0, free_kv=100, max_batch=8, draining=False, started_at=0.0):
@@ -124,6 +124,10 @@ def test_upscale_on_a_rising_trend_before_any_request_waits():
     ds = run(ticks, target=1, current=1)
     assert all(r.waiting == 0 and r.running < 0.9 * 8 for _, (r,), _ in ticks)
     assert [(d.reason, d.target) for d in ds if d.reason != "hold"][0] == ("trend", 2)
+    # however steep, the trend asks for one replica beyond today's level at most
+    steep = {"demand": [(t / 10, t / 20) for t in range(100)], "short_since": 0.0}
+    d = decide(10.0, 1, 1, [load("a", running=4)], 0, 0, 8, CFG, steep)
+    assert (d.reason, d.target) == ("trend", 2)
     flat = [(float(t), [load("a", running=5)], 0) for t in range(30)]
     assert {d.target for d in run(flat, target=1, current=1)} == {1}  # the same level, steady: no trend
     # a step (a burst, closed loops starting) rises in one half of the window only: no trend
