@@ -241,3 +241,12 @@ def test_the_engine_serves_fp8_with_the_same_adapters(tiny_model_dir, tmp_path):
     delta = {q: out[q]["a"] - out[q][None] for q in out}
     assert delta[None].abs().max() > 0.1  # the adapter matters
     assert cos(delta["fp8"], delta[None], dim=-1).min() > 0.98
+
+
+def test_the_app_argument_reaches_the_engine_config():
+    from app.serving.config import ConfigError, parse_args
+
+    assert parse_args({"quantization": "fp8"}, "m").engine.quantization == "fp8"
+    assert parse_args({}, "m").engine.quantization is None
+    with pytest.raises(ConfigError, match="quantization"):
+        parse_args({"quantization": "int8"}, "m")
