@@ -28,7 +28,9 @@ from app.model.llama import LlamaModel
 from app.model.source import resolve_model
 from app.model.weights import load_weights
 
-log = logging.getLogger(__name__)
+# Serve sends this logger's records to the replica's log (its actors configure it; app.* loggers
+# reach no handler there); outside Serve it is an ordinary logger.
+log = logging.getLogger("ray.serve")
 
 
 def load_tokenizer(path: Path):
