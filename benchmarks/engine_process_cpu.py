@@ -139,7 +139,7 @@ def main(engine: str) -> None:
     for r in rows:
         print(
             f"round {r['round']} engine_process={r['engine_process']!s:5} {r['tok_s']:8.1f} tok/s  "
-            f"TTFT p50 {r['ttft_p50']:.3f} s  TPOT p50 {r['tpot_p50'] * 1000:.1f} ms  cpu/1k {r['cpu_s_per_1k_tokens']}"
+            f"TTFT p50 {r['ttft_p50']} s  TPOT p50 {r['tpot_p50']} s  CPU s per 1k tokens {r['cpu_s_per_1k_tokens']}"
         )
     plot(engine)
 
@@ -162,7 +162,7 @@ def plot(engine: str) -> None:
     )
     for bar, r in zip(bars, rows):
         ax.annotate(
-            f"{r['tok_s']:.0f} tok/s\nTTFT {r['ttft_p50']:.2f} s",
+            f"{r['tok_s']:.1f} tok/s\n{r['requests']} requests",
             (bar.get_x() + bar.get_width() / 2, bar.get_height()),
             ha="center",
             va="bottom",

@@ -21,7 +21,7 @@ from app.engine.factory import build_engine
 from app.openai.client_stream import with_fixed_seed
 from app.protocol import GenerateRequest, SamplingParams, TokenChunk
 from tests.app_fixtures import config_args, delete_apps, shared_serve, wait_for
-from tests.cluster_checks import assert_same, client_stream, submit_to
+from tests.cluster_checks import assert_same, client_stream, idle, submit_to
 from tests.cluster_fixtures import deploy_replicas, make_tiny_chat_llama, replica_actor, replica_ids, slowed_engine
 
 APP = "eproc"
@@ -138,6 +138,7 @@ def test_a_killed_engine_process_fails_its_replica_over_and_streams_resume_exact
         assert_same(chunks, _reference(cluster["model"], request), request.request_id)
     replaced = wait_for(lambda: (lambda now: len(now) == 2 and killed[0] not in now)(set(replica_ids(APP))), DEADLINE_S)
     assert replaced, f"no replacement for {killed[0]}: {replica_ids(APP)}"
+    assert idle(APP), "a replica's routing stats show work left behind"  # both answer record_routing_stats
 
 
 def test_the_engine_process_never_outlives_its_replica(cluster):
