@@ -31,7 +31,7 @@ def _starts_ray(item) -> bool:
 # an S3 endpoint of their own in their environment, or a Ray of their own (`serve run`, a
 # multi-node Cluster). They run last, so the other Serve modules share one Ray start.
 _OWN_RAY_LAST = ("test_adapter_source_app.py", "test_app_s3.py", "test_app_serve_run.py", "test_config_change.py")
-_OWN_RAY_LAST += ("test_node_loss.py",)
+_OWN_RAY_LAST += ("test_node_loss.py", "test_app_serve_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
