@@ -210,7 +210,7 @@ metric_list:
 def test_lm_eval_loglikelihood_task(server, default_model_dir, tmp_path, monkeypatch):
     """lm-evaluation-harness's `local-completions` (echo + logprobs) on a 20-question task file of its
     own format, offline: each answer against a wrong one, scored by the server's prompt logprobs
-    (42 s here, 32 s of it the 40 requests; lm_eval is not in the test extras: skipped without it)."""
+    (20 s against the served app here; lm_eval is not in the test extras: skipped without it)."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
 
