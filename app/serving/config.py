@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 import jinja2
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from adapters_store.errors import AdapterUriError
 from adapters_store.paths import parse_uri
@@ -33,6 +33,13 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _kv_blocks(value):
+    """num_kv_blocks: one message for a bad value (not one per member of the union)."""
+    if value is None or value == "auto" or (type(value) is int and value >= 1):
+        return value
+    raise ValueError("an integer >= 1, or auto")
 
 
 class ApiKeyArgs(_Strict):
@@ -87,7 +94,7 @@ class AppArgs(_Strict):
     max_tokens_per_step: int = Field(1024, ge=1)
     # KV cache per replica, in blocks; auto (the default on CUDA): what fits in gpu_memory_utilization of the GPU
     # (app/engine/kv_sizing.py); None: auto on CUDA, 512 on the CPU
-    num_kv_blocks: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    num_kv_blocks: Annotated[int | Literal["auto"] | None, BeforeValidator(_kv_blocks)] = None
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # auto KV: the share of the GPU's memory to fill
     block_size: int = Field(16, ge=1)
     max_loras: int = Field(8, ge=1)
