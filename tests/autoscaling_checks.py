@@ -72,7 +72,8 @@ def complete(app: str, prompt: list[int], max_tokens: int, adapter: str | None =
             tokens += len(chunk.token_ids)
         return {"text": text, "completion_tokens": tokens, "moves": stream.moves, "routed": routed}
 
-    return asyncio.run_coroutine_threadsafe(run(), _loop).result(timeout=90)
+    # a request may wait for Serve to start a replica: minutes on a 2-core machine under a CPU hog
+    return asyncio.run_coroutine_threadsafe(run(), _loop).result(timeout=300)
 
 
 def expected_text(prompt: list[int], max_tokens: int) -> str:
@@ -93,6 +94,6 @@ def in_threads(fn, args_list) -> tuple[list[threading.Thread], list]:
 
 def joined(threads, results) -> list:
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=330)
     assert all(r is not None for r in results), "a request did not complete"
     return results
