@@ -72,7 +72,7 @@ def write_checkpoint(root: pathlib.Path, shape: dict, device: str) -> pathlib.Pa
     def rnd(*s):  # one random tensor per shape, written for every layer: values do not change the work
         if s not in made:
             made[s] = (torch.randn(*s, device=device, generator=g) * 0.02).to(torch.bfloat16).cpu()
-        return made[s]
+        return made[s].clone()  # safetensors refuses one file holding shared storage twice
 
     h, v, bias = shape["hidden_size"], shape["vocab_size"], shape["model_type"] == "qwen2"
     index = {}

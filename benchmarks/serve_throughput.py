@@ -66,7 +66,10 @@ ENGINE = dict(
 
 def _dims(name: str, s=SHAPE) -> tuple[int, int]:
     h, i = s["hidden_size"], s["intermediate_size"]
-    return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}.get(name, (h, h))
+    kv = h // s["num_attention_heads"] * s.get("num_key_value_heads", s["num_attention_heads"])  # GQA
+    return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "k_proj": (h, kv), "v_proj": (h, kv)}.get(
+        name, (h, h)
+    )
 
 
 def word_tokenizer(vocab: int):
