@@ -176,8 +176,6 @@ class ConsolidatingRouter(RequestRouter):
 
     def initialize_state(self, reserve_blocks: int = 1, max_batch: int = 16, block_size: int = 16):
         self.policy = Policy(reserve_blocks, max_batch, block_size)
-        # a request waiting for room is retried every 10–100 ms (Serve's default backs off to 0.5 s)
-        self.update_backoff_params(initial_backoff_s=0.01, backoff_multiplier=2, max_backoff_s=0.1)
         self._sent: dict[str, list[tuple[float, str, int, int]]] = defaultdict(
             list
         )  # replica → [(sent at, key, blocks, rows)]

@@ -245,7 +245,8 @@ def cluster_options(c: ClusterArgs, engine: EngineConfig) -> dict:
             "block_size": engine.block_size,
         },
         "request_routing_stats_period_s": c.routing_stats_period_s,
-        # a request waiting for room is retried at least this often
+        # a request waiting for room is retried every 10 → 50 ms (Serve's default backs off to 0.5 s);
+        # the one place the backoff is set
         "initial_backoff_s": 0.01,
         "max_backoff_s": 0.05,
     }
