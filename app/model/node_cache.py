@@ -60,3 +60,13 @@ def fill_once(root: Path, entry: Path, fill: Callable[[Path], None], complete: C
             raise
         fsync_path(parent)
     return entry
+
+
+PICKLES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def no_safetensors(where: str, names) -> ModelSourceError:
+    """The refusal of a checkpoint without safetensors weights, naming a pickle it holds instead."""
+    pickles = sorted(name for name in names if name.endswith(PICKLES))
+    why = f"; {pickles[0]} is a PyTorch pickle, which is never loaded: convert it to safetensors" if pickles else ""
+    return ModelSourceError(f"no *.safetensors weights at {where}{why}")

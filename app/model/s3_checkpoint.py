@@ -44,8 +44,7 @@ from adapters_store.s3_source import (
     version_pin,
 )
 from adapters_store.sources import version_of
-from app.model.node_cache import ModelSourceError, cache_root, fill_once
-from app.model.source import no_safetensors
+from app.model.node_cache import ModelSourceError, cache_root, fill_once, no_safetensors
 
 log = logging.getLogger("loraplex.model")
 

@@ -17,9 +17,8 @@ import os
 from pathlib import Path
 
 from app.model.default import default_model_dir
-from app.model.node_cache import ModelSourceError, cache_root, fill_once
+from app.model.node_cache import ModelSourceError, cache_root, fill_once, no_safetensors
 
-PICKLES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _WHERE = "use a local HF checkpoint directory, a .gguf file, or s3://bucket/prefix/"
 
 
@@ -43,13 +42,6 @@ def resolve_model(model: str | os.PathLike | None, weights: bool = True) -> Path
     if weights and not any(path.glob("*.safetensors")):
         raise no_safetensors(str(path), [p.name for p in path.iterdir()])
     return path
-
-
-def no_safetensors(where: str, names) -> ModelSourceError:
-    """The refusal of a checkpoint without safetensors weights, naming a pickle it holds instead."""
-    pickles = sorted(name for name in names if name.endswith(PICKLES))
-    why = f"; {pickles[0]} is a PyTorch pickle, which is never loaded: convert it to safetensors" if pickles else ""
-    return ModelSourceError(f"no *.safetensors weights at {where}{why}")
 
 
 def _from_gguf(gguf: Path) -> Path:
