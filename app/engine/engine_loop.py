@@ -10,6 +10,7 @@ per step (app/engine/core_process.py). Each step and each delivered token is rec
 
 from __future__ import annotations
 
+import abc
 import logging
 import queue
 import threading
@@ -42,7 +43,7 @@ def describe(core) -> dict:
     return stats
 
 
-class EngineLoop:
+class EngineLoop(abc.ABC):
     def __init__(self, core, migrate_locally: bool = True):
         """migrate_locally: a preempted request is re-queued here (front of the queue)
         instead of ending its stream with a Migrate chunk for the caller to re-route."""
@@ -56,17 +57,17 @@ class EngineLoop:
         self.telemetry = EngineTelemetry()
 
     # -- what subclasses provide --------------------------------------------------------
+    @abc.abstractmethod
     def _emit(self, stream: StreamState, chunk: Chunk) -> None:
         """A chunk for ``stream``, to go out with this step's others."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _send(self) -> None:
         """Everything emitted since the last send leaves the loop (once per step)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _accepted(self, stream: StreamState, error: Exception | None) -> None:
         """The add of ``stream`` was taken (error None) or refused."""
-        raise NotImplementedError
 
     # -- any thread ---------------------------------------------------------------------------
     def post(self, item) -> None:
