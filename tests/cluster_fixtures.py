@@ -109,16 +109,29 @@ def scale(app: str, num_replicas: int) -> None:
     ray.get(controller.update_deployment_replicas.remote(DeploymentID("LoraReplica", app), num_replicas))
 
 
+def _request_router(app: str):
+    """This process's request router for the app's LoraReplica (every handle of a deployment in
+    a process shares one router): reaches into Serve's handle."""
+    from ray import serve
+
+    router = serve.get_deployment_handle("LoraReplica", app)._init_router()
+    return router._asyncio_router.request_router  # created on first use
+
+
+def router_order(app: str) -> list[str]:
+    """Replica ids in the order the router ranks their age: Serve's running order, oldest first."""
+    request_router = _request_router(app)
+    order = getattr(request_router, "_order", {})
+    return sorted(order, key=order.get)
+
+
 def router_reports(app: str) -> dict:
     """{replica id: ReplicaStats} as this process's router for the app's LoraReplica last heard
     them (Serve's controller polls each replica and passes the reports on): what it routes on.
     Waiting on this, not on a fixed sleep, tells a test the router has caught up. Reaches into
-    Serve's handle (every handle of a deployment in a process shares one router)."""
-    from ray import serve
-
+    Serve's handle."""
     from cluster.stats import ReplicaStats
 
-    router = serve.get_deployment_handle("LoraReplica", app)._init_router()
-    request_router = router._asyncio_router._request_router
+    request_router = _request_router(app)
     replicas = request_router.curr_replicas.items() if request_router is not None else ()
     return {rid.unique_id: ReplicaStats.from_dict(r.routing_stats) for rid, r in replicas if r.routing_stats}

@@ -36,6 +36,7 @@ from tests.cluster_fixtures import (
     replica_actor,
     replica_ids,
     replica_report,
+    router_order,
     router_reports,
     scale,
     slowed_engine,
@@ -91,8 +92,9 @@ def test_requests_fill_the_oldest_replica_first_and_an_emptied_replica_stays_emp
     from ray import serve
 
     handle = serve.get_deployment_handle("LoraReplica", "pack").options(stream=True).generate
-    order = sorted(replica_ids("pack"), key=lambda r: replica_report("pack", r).started_at)  # oldest first
-    assert wait_for(lambda: None not in _batches(router_reports("pack"), order), timeout=60)  # it knows their age
+    assert wait_for(lambda: sorted(router_order("pack")) == replica_ids("pack"), timeout=60)
+    order = router_order("pack")  # Serve's running order, oldest first: the age the router ranks by
+    assert wait_for(lambda: None not in _batches(router_reports("pack"), order), timeout=60)  # it has their reports
     streams, placed = [], []
 
     def open_one(i):
