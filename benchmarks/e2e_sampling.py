@@ -56,8 +56,8 @@ def _params(variant: str, i: int, new: int):
 def sampler_timing(batch: int, vocab: int, reps: int = 50) -> list[dict]:
     """Per variant: host ms to build the parameters and queue the draw, GPU ms of the draw (graph replay)."""
     from app.engine.sampler import draw
-    from app.engine.sampling_params import Staging, step_sampling
     from app.engine.sequence import Sequence
+    from app.engine.step_sampling import Staging, step_sampling
     from app.protocol import GenerateRequest
     from benchmarks.method import time_graph
 

@@ -110,13 +110,13 @@ def compile_times(engine, guides) -> dict:
 
 
 class MaskTimer:
-    """Host time of each step's mask fill (app/engine/sampling_params.py calls grammar.fill_masks)."""
+    """Host time of each step's mask fill (app/engine/step_sampling.py calls grammar.fill_masks)."""
 
     def __init__(self):
-        from app.engine import sampling_params
+        from app.engine import step_sampling
 
-        self.module, self.fill, self.seconds = sampling_params, sampling_params.fill_masks, []
-        sampling_params.fill_masks = self
+        self.module, self.fill, self.seconds = step_sampling, step_sampling.fill_masks, []
+        step_sampling.fill_masks = self
 
     def __call__(self, states, vocab):
         start = time.perf_counter()
@@ -127,7 +127,7 @@ class MaskTimer:
 
 class Timed:
     """Host seconds spent in a method (patched on its class), summed: where a step's host time goes.
-    StepOutput.sample is the host's wait for the step's tokens (the GPU still working); the
+    StepTokens.sample is the host's wait for the step's tokens (the GPU still working); the
     grammar's advance and the mask fill are host work the GPU may wait for."""
 
     def __init__(self, cls, name: str):
@@ -274,9 +274,9 @@ def main():
     timer = MaskTimer()
     from app.engine.core import EngineCore
     from app.engine.grammar import GrammarState
-    from app.engine.step_output import StepOutput
+    from app.engine.step_tokens import StepTokens
 
-    spans = {"step": Timed(EngineCore, "step"), "wait": Timed(StepOutput, "sample")}
+    spans = {"step": Timed(EngineCore, "step"), "wait": Timed(StepTokens, "sample")}
     spans["advance"] = Timed(GrammarState, "advance")
     for batch in map(int, args.batches.split(",")):
         engine = build(shape, batch, device, dtype, tokenizer)

@@ -3,7 +3,8 @@
 A kernel is named by its source file and a template instantiation, e.g.
 ``("sgmv.cu", "sgmv_kernel<__half, 16, 1, 8, 1, float>")``. It is compiled
 once per process for the device's arch and the cubin is cached under
-``$LORAPLEX_CACHE`` (default ``~/.cache/loraplex/nvrtc``), keyed by the sha256
+``$LORAPLEX_CACHE/nvrtc`` (``LORAPLEX_CACHE`` defaults to ``~/.cache/loraplex``, the node's
+cache of checkpoints too: app/model/node_cache.py), keyed by the sha256
 of every kernel source and header, the options, the arch and the NVRTC version.
 NVRTC needs no GPU, so CI compiles every kernel for sm_80 and sm_90. A kernel
 can also be built for an older arch than the device's (``load_function(...,
@@ -81,8 +82,9 @@ def _options(arch: int, extra: tuple[str, ...], ptx: bool = False) -> list[bytes
 
 
 def _cache_dir() -> pathlib.Path:
-    root = os.environ.get("LORAPLEX_CACHE") or os.path.expanduser("~/.cache/loraplex/nvrtc")
-    return pathlib.Path(root)
+    """The cubins' folder: ``nvrtc/`` under the node's cache (the same folder app/model/node_cache.py reads)."""
+    root = os.environ.get("LORAPLEX_CACHE") or os.path.expanduser("~/.cache/loraplex")
+    return pathlib.Path(root) / "nvrtc"
 
 
 def _write_atomic(path: pathlib.Path, data: bytes):

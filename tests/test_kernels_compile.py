@@ -89,7 +89,7 @@ def _compile_twice(cache_dir: str):
 def test_cubins_are_cached_on_disk(pool, tmp_path):
     (cubin, symbol), again = pool.submit(_compile_twice, str(tmp_path)).result()
     assert cubin[:4] == b"\x7fELF" and symbol.startswith("_Z")
-    assert len(list(tmp_path.glob("*.cubin"))) == 1
+    assert len(list((tmp_path / "nvrtc").glob("*.cubin"))) == 1  # under the cache, in its nvrtc/ folder
     assert again == (cubin, symbol)
 
 

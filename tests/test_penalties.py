@@ -24,8 +24,8 @@ from fastapi.testclient import TestClient
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.engine.sampler import adjusted, draw
-from app.engine.sampling_params import Staging, step_sampling
 from app.engine.sequence import Sequence
+from app.engine.step_sampling import Staging, step_sampling
 from app.errors import InvalidRequestError
 from app.openai import http_errors
 from app.openai.requests import ChatCompletionRequest, CompletionRequest

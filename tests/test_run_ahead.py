@@ -4,10 +4,10 @@ drawn on the device."""
 
 from app.engine.config import EngineConfig
 from app.engine.kv_cache import BlockAllocator
-from app.engine.run_ahead import Ahead
+from app.engine.run_ahead import DecodeAhead
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import Sequence
-from app.engine.step_output import StepOutput
+from app.engine.step_tokens import StepTokens
 from app.protocol import GenerateRequest, SamplingParams
 
 BS = 4
@@ -37,7 +37,7 @@ def _setup(lengths, max_tokens=10, waiting=0, max_batch=4, **params):
     sched.running = list(seqs)
     for i in range(waiting):
         sched.waiting.append(Sequence(GenerateRequest(f"w{i}", (1, 2), SamplingParams()), 0, 100 + i))
-    return sched, seqs, StepOutput(seqs, _Drawn([100 + i for i in range(len(seqs))]))
+    return sched, seqs, StepTokens(seqs, _Drawn([100 + i for i in range(len(seqs))]))
 
 
 def _after_step(seqs, out):
@@ -87,7 +87,7 @@ def test_a_full_batch_with_waiting_requests_goes_ahead():
 def test_the_engine_takes_the_step_for_a_subset_with_the_tokens_it_ran_on():
     sched, seqs, out = _setup([3, 5, 6])
     order, src = sched.reserve_next_decode(out, max_batch=8)
-    ahead = Ahead(order, [s.num_computed for s in order], src, out, StepOutput(order, _Drawn([7, 8, 9])))
+    ahead = DecodeAhead(order, [s.num_computed for s in order], src, out, StepTokens(order, _Drawn([7, 8, 9])))
     _after_step(seqs, out)
     taken = ahead.take([(seqs[2], 1), (seqs[0], 1)])  # seqs[1] ended meanwhile
     assert taken.sampled == [seqs[0], seqs[2]] and taken.rows == [0, 2]

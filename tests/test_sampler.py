@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from app.engine.sampler import draw
-from app.engine.sampling_params import Staging, step_sampling, uniform
 from app.engine.sequence import Sequence
+from app.engine.step_sampling import Staging, step_sampling, uniform
 from app.protocol import GenerateRequest, SamplingParams
 
 VOCAB = 40

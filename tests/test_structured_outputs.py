@@ -281,8 +281,8 @@ def test_steps_launched_ahead_with_constrained_rows_draw_what_steps_run_in_turn_
 def test_masked_rows_draw_only_allowed_tokens_and_greedy_ones_the_reference_argmax(monkeypatch):
     """sampler.draw with a bitmask on some rows (greedy and seeded), against numpy's masked argmax."""
     from app.engine.sampler import draw
-    from app.engine.sampling_params import Staging, step_sampling
     from app.engine.sequence import Sequence
+    from app.engine.step_sampling import Staging, step_sampling
 
     vocab, n, gen = 1000, 12, torch.Generator().manual_seed(3)
     logits = torch.randn(n, vocab, generator=gen) * 4
@@ -305,7 +305,7 @@ def test_masked_rows_draw_only_allowed_tokens_and_greedy_ones_the_reference_argm
             bits[j, list(s.tokens)] = True
         return np.packbits(np.pad(bits, ((0, 0), (0, -width % 32))), axis=1, bitorder="little").view(np.int32)
 
-    monkeypatch.setattr("app.engine.sampling_params.fill_masks", fill)
+    monkeypatch.setattr("app.engine.step_sampling.fill_masks", fill)
     tokens = draw(logits, step_sampling(seqs, (), vocab, Staging("cpu"))).tokens.tolist()
     for i, seq in enumerate(seqs):
         allowed = seq.grammar.tokens if seq.grammar else set(range(vocab))

@@ -16,7 +16,7 @@ from adapters_store.manifest import TARGET_MODULES
 from adapters_store.peft_weights import load_local
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
-from app.engine.tp.sharding import COLUMN, Shard, gather_lora_pair, load_shard_weights, shard_adapter, shard_config
+from app.engine.tp.sharding import COLUMN, Shard, load_shard_weights, shard_adapter, shard_config
 from app.model.config import ModelConfig
 from app.model.weights import load_weights
 from app.protocol import GenerateRequest, SamplingParams
@@ -40,6 +40,12 @@ def adapters(tiny_model_dir, tmp_path_factory):
         name: make_random_adapter(tiny_model_dir, root / name, rank=r, targets=TARGET_MODULES, seed=10 + i)
         for i, (name, r) in enumerate(RANKS.items())
     }
+
+
+def gather_lora_pair(module: str, shards: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The inverse of shard_lora_pair over all ranks' pairs (the replicated matrix from rank 0)."""
+    a, b = zip(*shards)
+    return (a[0], torch.cat(b, 0)) if module in COLUMN else (torch.cat(a, 1), b[0])
 
 
 def test_adapter_shards_gather_to_the_original_bit_for_bit(cfg, adapters):

@@ -7,7 +7,7 @@ them now, as it would first thing next step, so it then allocates and preempts n
 Scheduler.reserve_next_decode), and no waiting request could join (none waits, or the batch stays
 full). Requests that step N ends by length are left out. Step N+1 is a CUDA-graph decode step whose input tokens are step N's drawn tokens, read on
 the device; everything else it needs (positions, slots, block tables, adapter segments, and its
-sampling parameters: each row one token further, app/engine/sampling_params.py) is known.
+sampling parameters: each row one token further, app/engine/step_sampling.py) is known.
 
 The engine's next step takes it if what the scheduler then plans is a decode step of a subset of
 those requests, each still at the position and with the token the step ran on; rows of requests
@@ -31,19 +31,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.engine.sequence import Sequence
-from app.engine.step_output import StepOutput
+from app.engine.step_tokens import StepTokens
 
 
 @dataclass
-class Ahead:
+class DecodeAhead:
+    """A decode step launched before the previous step's tokens reached the host: its rows and what it ran on."""
+
     order: list[Sequence]  # the rows of the step launched ahead
     positions: list[int]  # each row's num_computed it ran at
     src_rows: list[int]  # each row's row in `previous`, whose drawn token was its input token
-    previous: StepOutput
-    output: StepOutput | None  # None: drawn when taken, by draw_later(rows, sequences)
+    previous: StepTokens
+    output: StepTokens | None  # None: drawn when taken, by draw_later(rows, sequences)
     draw_later: Callable[[list[int], list[Sequence]], object] | None = None
 
-    def take(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput | None:
+    def take(self, scheduled: list[tuple[Sequence, int]]) -> StepTokens | None:
         """The output for this schedule if the step launched ahead computed it, else None."""
         index = {id(s): i for i, s in enumerate(self.order)}
         rows = []
@@ -61,5 +63,5 @@ class Ahead:
         rows.sort()
         seqs = [self.order[i] for i in rows]
         if self.output is None:
-            return StepOutput(seqs, self.draw_later(rows, seqs))
-        return StepOutput(seqs, self.output.drawn, rows)
+            return StepTokens(seqs, self.draw_later(rows, seqs))
+        return StepTokens(seqs, self.output.drawn, rows)

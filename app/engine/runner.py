@@ -1,4 +1,4 @@
-"""The model runner: a schedule in, a StepOutput out. Every step is built in one format
+"""The model runner: a schedule in, a StepTokens out. Every step is built in one format
 (app/engine/batch.py: a PagedBatch, whatever the device) and run by the model's forward; on CUDA
 a step of decode rows only is instead a replay of the CUDA graph of the batch's bucket
 (EngineConfig.cuda_graphs), and the next decode step is launched ahead where it is certain
@@ -16,12 +16,12 @@ from app.engine.config import EngineConfig
 from app.engine.cuda_graphs import DecodeGraphs
 from app.engine.mixed_graphs import MixedGraphs
 from app.engine.prompt_logprobs import entries, prompt_rows, with_rows
-from app.engine.run_ahead import Ahead
+from app.engine.run_ahead import DecodeAhead
 from app.engine.sampler import draw
-from app.engine.sampling_params import Staging, step_sampling
 from app.engine.scheduler import blocks_for
 from app.engine.sequence import Sequence
-from app.engine.step_output import DrawnRows, Readback, StepOutput, host_rows
+from app.engine.step_sampling import Staging, step_sampling
+from app.engine.step_tokens import DrawnRows, Readback, StepTokens, host_rows
 from ops import paged_attention, sampling, small_ops
 
 
@@ -67,11 +67,11 @@ class ModelRunner:
         )
         self.readback = Readback(config.max_num_seqs) if single else None
         self.staging = Staging(config.device)
-        self.ahead: Ahead | None = None
+        self.ahead: DecodeAhead | None = None
         self.prompt_logprobs: dict = {}  # the step run now: Sequence → its prompt logprob entries
         self.steps_taken_ahead = 0
 
-    def step(self, scheduled: list[tuple[Sequence, int]]) -> StepOutput:
+    def step(self, scheduled: list[tuple[Sequence, int]]) -> StepTokens:
         """This schedule's output: the step launched ahead if it computed it, else a step run now."""
         ahead, self.ahead = self.ahead, None
         out = ahead.take(scheduled) if ahead is not None else None
@@ -80,7 +80,7 @@ class ModelRunner:
             return out
         self.prompt_logprobs = {}
         logits, sampled = self.run(scheduled)
-        return StepOutput(sampled, self._draw(logits, sampled), prompt_logprobs=self.prompt_logprobs)
+        return StepTokens(sampled, self._draw(logits, sampled), prompt_logprobs=self.prompt_logprobs)
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0, pending=None) -> DrawnRows:
         """Queue the sampling of each row of logits (see step_sampling for `ahead` and `pending`)."""
@@ -93,7 +93,7 @@ class ModelRunner:
         """The most rows a step launched ahead may have (0: none is)."""
         return self.graphs.max_batch if self.graphs is not None else 0
 
-    def run_ahead(self, out: StepOutput, rows: tuple[list[Sequence], list[int]] | None) -> None:
+    def run_ahead(self, out: StepTokens, rows: tuple[list[Sequence], list[int]] | None) -> None:
         """Queue the decode step that must follow `out`: `rows` (Scheduler.reserve_next_decode) are its
         sequences, their blocks given, and each one's row in `out`; None: there is none."""
         if rows is None:
@@ -103,12 +103,12 @@ class ModelRunner:
         logits = self.graphs.run(order, next_tokens=(out.drawn.tokens, src))
         if any(s.grammar is not None for s in order):  # masks need step N's tokens: drawn when taken
             later = lambda rows, seqs: self._draw(self._rows(logits, rows), seqs)  # noqa: E731
-            self.ahead = Ahead(order, positions, src, out, None, later)
+            self.ahead = DecodeAhead(order, positions, src, out, None, later)
             return
         # penalised rows count the token they gained from the device, as the graph reads it: no need to
         # keep them (and with them the whole batch) out of the step launched ahead
         drawn = self._draw(logits, order, ahead=1, pending=(out.drawn.tokens, src))
-        self.ahead = Ahead(order, positions, src, out, StepOutput(order, drawn))
+        self.ahead = DecodeAhead(order, positions, src, out, StepTokens(order, drawn))
 
     def _rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """These rows of logits, selected on the device (indices through the staging copy: no host sync)."""

@@ -3,8 +3,8 @@ min_tokens (suppressed stop tokens), logit_bias, penalties, grammar masks, logpr
 
 `draw` is a few batched torch ops over the step's logits [n, vocab], the same on CPU and CUDA, with
 no per-row Python and no host sync (CUDA-graph replays and steps launched ahead queue it behind them;
-the host reads only its results, app/engine/step_output.py). Per row, from its parameters
-(app/engine/sampling_params.py):
+the host reads only its results, app/engine/step_tokens.py). Per row, from its parameters
+(app/engine/step_sampling.py):
 
 1. logit_bias is added; suppressed tokens (stop tokens before min_tokens) are set to −inf; then the
    repetition, frequency and presence penalties (app/engine/penalties.py): vLLM's order, on a copy;
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from app.engine.penalties import penalize
-from app.engine.sampling_params import StepSampling
 from app.engine.sequence import Sequence
+from app.engine.step_sampling import StepSampling
 from ops import sampling
 
 

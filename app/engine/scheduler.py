@@ -22,7 +22,7 @@ from app.engine.config import EngineConfig
 from app.engine.kv_cache import BlockAllocator
 from app.engine.prefix_cache import PrefixCache
 from app.engine.sequence import Sequence
-from app.engine.step_output import StepOutput
+from app.engine.step_tokens import StepTokens
 
 
 @dataclass
@@ -97,7 +97,7 @@ class Scheduler:
             self.pool.release((seq.adapter.name, seq.adapter.version))
             seq.lora_slot = -1
 
-    def reserve_next_decode(self, out: StepOutput, max_batch: int) -> tuple[list[Sequence], list[int]] | None:
+    def reserve_next_decode(self, out: StepTokens, max_batch: int) -> tuple[list[Sequence], list[int]] | None:
         """The decode step that must follow step `out` (app/engine/run_ahead.py says when one must), as
         its sequences sorted by adapter and each one's row in `out`, or None; those whose next token
         starts a block are given it now, as the next schedule would first thing. Called once `out`'s

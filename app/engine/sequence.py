@@ -55,8 +55,3 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
-
-    @property
-    def num_new_outputs(self) -> int:
-        """Tokens generated here (not resumed)."""
-        return len(self.output_ids) - len(self.request.resume_token_ids)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.engine.sampler import draw
-from app.engine.sampling_params import Staging, step_sampling
+from app.engine.step_sampling import Staging, step_sampling
 from app.protocol import GenerateRequest, SamplingParams
 from tests.gpu import test_cuda_graphs_gpu as graphs_test
 from tests.gpu.test_cuda_graphs_gpu import adapter_slots, decode_rows, graph_engine, random_kv

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.engine import sampler
-from app.engine.sampling_params import StepSampling, inverse_temperature
+from app.engine.step_sampling import StepSampling, inverse_temperature
 from ops import sampling
 
 pytestmark = pytest.mark.gpu

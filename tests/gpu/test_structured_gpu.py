@@ -14,7 +14,7 @@ import torch
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.engine.sampler import draw
-from app.engine.sampling_params import StepSampling
+from app.engine.step_sampling import StepSampling
 from app.protocol import GenerateRequest, Guide, SamplingParams
 from benchmarks.structured_throughput import synthetic_tokenizer
 from tests.schema_fixtures import random_schemas

@@ -91,12 +91,6 @@ def shard_lora_pair(module: str, a: torch.Tensor, b: torch.Tensor, shard: Shard)
     return (a, _cut(b, 0, shard)) if module in COLUMN else (_cut(a, 1, shard), b)
 
 
-def gather_lora_pair(module: str, shards: list[tuple[torch.Tensor, torch.Tensor]]):
-    """The inverse of shard_lora_pair over all ranks' pairs (the replicated matrix from rank 0)."""
-    a, b = zip(*shards)
-    return (a[0], torch.cat(b, 0)) if module in COLUMN else (torch.cat(a, 1), b[0])
-
-
 def shard_adapter(weights: LoraWeights, shard: Shard, dtype: torch.dtype) -> LoraWeights:
     """This rank's part of an adapter, packed in its own buffer: only the shard
     crosses to the rank's GPU; the host cache keeps the one full copy."""

@@ -1,4 +1,4 @@
-"""One forward step's output: the sequences whose next token it gives, and those tokens on request.
+"""One forward step's drawn tokens (StepTokens): the sequences whose next token it gives, and those tokens on request.
 
 Every step's rows are sampled on the logits' device as soon as the step is queued
 (app/engine/sampler.py). On CUDA the drawn tokens, finite flags and logprobs are copied into pinned
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from app.engine.sampler import Drawn, SampleError, nonfinite
-from app.engine.sampling_params import StepSampling
 from app.engine.sequence import Sequence
+from app.engine.step_sampling import StepSampling
 
 
 def _packed(drawn: Drawn) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -94,7 +94,7 @@ class Readback:
         return DrawnRows(drawn, sampling, host_ints, host_floats, self._events[k])
 
 
-class StepOutput:
+class StepTokens:
     """`sampled[i]`'s next token is row rows[i] (default i) of `drawn`."""
 
     def __init__(self, sampled: list[Sequence], drawn: DrawnRows, rows: list[int] | None = None, prompt_logprobs=None):
