@@ -18,7 +18,8 @@ policy keeps a short history of it in `state`. Decisions (`decide`, a pure funct
   `upscale_delay_s`: room before it is needed, since a replica takes seconds (CPU) to a
   minute (GPU) to start;
 - down, only by the newest replicas (the ones Ray stops) that have held no request for
-  `downscale_delay_s`, and only while the demand of that whole window fits the rest;
+  `downscale_delay_s`, and only while the demand of that whole window fits the rest; to zero
+  through one (Ray scales to zero only from one replica);
 - otherwise hold. Every change is logged with its reason and counted in metrics.
 
 Which replicas go is Ray's choice: `deployment_scheduler._get_replicas_to_stop` stops
@@ -220,7 +221,11 @@ def _release_idle(
     released = _recent(state, "released", now, cfg)  # Serve may list a replica it stops as running
     newest_first = [r for r in reversed(live) if r.replica not in released]
     count = next((i for i, r in enumerate(newest_first) if r.idle_for(now) < cfg.downscale_delay_s), len(newest_first))
-    count = min(count, target - floor)
+    # Ray scales to zero only from one (autoscaling_policy._apply_delay_logic turns 3 -> 0 into
+    # 3 -> 1): asked for 0 from more, it keeps the oldest, which `released` would then hide for
+    # release_grace_s. So down to one first; the oldest goes on the next decision once Serve has
+    # stopped the rest (measured: the ramp test's last replica idled 10 s longer without this)
+    count = min(count, target - max(floor, 1 if target > 1 else 0))
     if count <= 0:
         return Decision(target, "hold", "steady")
     going = tuple(r.replica for r in newest_first[:count])

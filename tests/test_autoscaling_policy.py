@@ -95,7 +95,7 @@ def test_no_downscale_while_the_replica_ray_would_stop_was_busy_within_the_delay
     ticks = [(t, loads, 0) for t in (106.0, 110.0, 114.9)]
     assert {d.target for d in run(ticks, target=2, current=2)} == {2}
     d = decide(115.0, 2, 2, loads, 0, 0, 8, CFG, {})
-    assert (d.reason, d.going) == ("idle", ("new", "old"))
+    assert (d.reason, d.going) == ("idle", ("new",))  # then "old": Ray goes to zero only from one
     # still busy: never, and an idle older replica does not make Ray stop it
     busy = [load("old", idle_since=1.0), load("new", running=1)]
     assert {d.target for d in run([(t, busy, 0) for t in range(0, 600, 5)], target=2, current=2)} == {2}
@@ -156,10 +156,22 @@ def test_a_replica_released_once_is_not_counted_again_while_serve_stops_it():
 def test_never_below_min_replicas_and_scale_to_zero_when_allowed():
     idle = [load("a", idle_since=1.0), load("b", idle_since=1.0)]
     assert decide(50.0, 2, 2, idle, 0, 1, 8, CFG, {}).target == 1
-    assert decide(50.0, 2, 2, idle, 0, 0, 8, CFG, {}).target == 0
+    assert decide(50.0, 1, 1, idle[:1], 0, 0, 8, CFG, {}).target == 0
     d = decide(60.0, 0, 0, [], 3, 0, 8, CFG, {})
     assert (d.reason, d.target) == ("cold_start", 1)
     assert decide(60.0, 0, 0, [], 0, 0, 8, CFG, {}).target == 0
+
+
+def test_to_zero_from_several_replicas_through_one_as_ray_allows():
+    # Ray turns 3 -> 0 into 3 -> 1 (it scales to zero only from one): a 0 here would mark the
+    # oldest released while Serve keeps it, and hide it from the next release for the grace
+    idle = [load("a", idle_since=1.0), load("b", idle_since=1.0), load("c", idle_since=1.0)]
+    state = {}
+    d = decide(50.0, 3, 3, idle, 0, 0, 8, CFG, state)
+    assert (d.reason, d.target, d.going) == ("idle", 1, ("c", "b"))
+    assert decide(50.1, 1, 3, idle, 0, 0, 8, CFG, state).target == 1  # Serve stopping b and c
+    d = decide(50.5, 1, 1, idle[:1], 0, 0, 8, CFG, state)  # well within release_grace_s
+    assert (d.reason, d.target, d.going) == ("idle", 0, ("a",))
 
 
 def test_no_scale_down_while_requests_wait_or_replicas_start_or_stop():
