@@ -8,6 +8,7 @@ lack) runs the fp32 torch reference (ops/paged_reference.py), which defines what
 
 import contextlib
 
+from . import fixed_attention, fixed_order
 from . import paged_attention as kernels
 from . import paged_reference as reference
 
@@ -53,5 +54,12 @@ def paged_attention(out, q, k_cache, v_cache, batch: kernels.PagedBatch, scale, 
     """
     if _split is not None:
         return _split(out, q, k_cache, v_cache, batch, scale, window, softcap)
+    if fixed_order.current().attention == "per_row":  # one reduction order per row (ops/fixed_attention.py)
+        on_kernels = _on_kernels(q, k_cache)
+        if q.is_cuda and not on_kernels:  # torch's CUDA reductions pick their order by tensor size
+            raise ValueError(f"no fixed-order attention on CUDA for {q.dtype}, head_dim {q.shape[2]}")
+        return fixed_attention.forward(
+            out, q, k_cache, v_cache, batch, scale, window, softcap, kernels if on_kernels else None
+        )
     path = kernels if _on_kernels(q, k_cache) else reference
     return path.forward(out, q, k_cache, v_cache, batch, scale, window, softcap)

@@ -4,6 +4,8 @@ from typing import NamedTuple
 
 import torch
 
+from ops.fixed_gemm import tiled_linear
+from ops.fixed_order import current
 from ops.reference import lora_ref
 
 
@@ -32,10 +34,15 @@ def add_lora(y, x, slices, indptr, ranks, scales, host_segments=None):
     host_segments: per slice, the same segments as host tuples (lo, hi, slot, rank, scale); on
     the CPU they spare the per-call device→host reads of the reference, computing in x's dtype.
     """
+    fixed = current().lora == "fixed_split"
     if x.is_cuda:
         from ops.sgmv import add_lora_sliced
 
+        if fixed:  # one cluster width, no rank groups: a row's sums do not depend on the grid
+            return add_lora_sliced(y, x, slices, indptr, ranks, scales, split=fixed_split(x.device), warps=4, groups=1)
         return add_lora_sliced(y, x, slices, indptr, ranks, scales)
+    if fixed:
+        return _add_fixed(y, x, slices, indptr, ranks, scales, host_segments, current().gemm_tile_rows)
     for i, s in enumerate(slices):
         if host_segments is None:
             lora_ref(y, x, s.A, s.B, indptr, s.slot_ids, ranks, scales, s.y_offset)
@@ -44,3 +51,34 @@ def add_lora(y, x, slices, indptr, ranks, scales, host_segments=None):
         for lo, hi, slot, r, scale in host_segments[i]:
             y[lo:hi, cols] += (x[lo:hi] @ s.A[slot, :r].T) @ s.B[slot, :r] * scale
     return y
+
+
+def fixed_split(device) -> int:
+    """SGMV's split-K width on the fixed path: clusters of 8 on sm_90 (a width the defaults use, so
+    warm_up compiled it), 1 before it (split-K there waits on peer blocks the GPU must hold at once,
+    so the defaults drop to 1 on large grids: a width that changed with the batch)."""
+    from ops.sgmv import _arch
+
+    index = torch.device(device).index
+    return 8 if _arch(torch.cuda.current_device() if index is None else index) >= 90 else 1
+
+
+def _add_fixed(y, x, slices, indptr, ranks, scales, host_segments, tile: int):
+    """The add-on's two products per segment as fixed-tile GEMMs (ops/fixed_gemm.py): a row's
+    result depends neither on its segment's length nor on where the segment sits."""
+    for i, s in enumerate(slices):
+        segs = host_segments[i] if host_segments is not None else _host_segments(indptr, s.slot_ids, ranks, scales)
+        cols = slice(s.y_offset, s.y_offset + s.B.shape[-1])
+        for lo, hi, slot, r, scale in segs:
+            v = tiled_linear(x[lo:hi], s.A[slot, :r], None, tile)
+            y[lo:hi, cols] += tiled_linear(v, s.B[slot, :r].T, None, tile) * scale
+    return y
+
+
+def _host_segments(indptr, slot_ids, ranks, scales):
+    bounds, slots = indptr.tolist(), slot_ids.tolist()
+    return [
+        (bounds[j], bounds[j + 1], slot, int(ranks[slot]), float(scales[slot]))
+        for j, slot in enumerate(slots)
+        if slot >= 0
+    ]

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine import determinism
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -25,6 +27,8 @@ class EngineConfig:
     quantization: str | None = None  # "fp8": fp8 base projections (app/model/quantization.py)
     engine_process: bool = False  # the engine loop in a child process of its replica (app/engine/process_engine.py)
     gpu_memory_utilization: float = 0.9  # auto KV: the share of the GPU's memory the replica may fill
+    # every op reduces in a batch-independent order (app/engine/determinism.py); off: the libraries' choices
+    deterministic: bool = False
 
     def __post_init__(self):
         if torch.device(self.device).type == "cuda" and self.dtype not in (torch.float16, torch.bfloat16):
@@ -39,3 +43,6 @@ class EngineConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        why = determinism.refusal(self)
+        if why is not None:
+            raise ValueError(why)

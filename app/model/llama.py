@@ -5,13 +5,14 @@ multi-LoRA add-on on any of the seven projections; fp8 base projections where th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from app.model.config import ModelConfig
 from app.model.inputs import LoraSegments, StepInputs
 from app.model.weights import FUSED, ModelWeights
 from ops.activation import gelu_tanh_mul, silu_mul
 from ops.attention import paged_attention
+from ops.fixed_gemm import linear
+from ops.fixed_order import LIBRARY, using
 from ops.fp8 import fp8_linear
 from ops.lora import LoraSlice, add_lora
 from ops.norms import add_rms_norm, rms_norm
@@ -37,10 +38,15 @@ class LlamaModel:
         )
         self.act = gelu_tanh_mul if cfg.traits.gelu_tanh else silu_mul
         self._out_dims = {m: d_out for m, (_, d_out) in cfg.module_dims.items()}
+        self.paths = LIBRARY  # the ops' reduction orders (ops/fixed_order.py); the engine sets its config's
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Logits [n, vocab] (fp32) for ``inp.sample_rows``; writes this step's KV into kv_caches."""
+        with using(self.paths):
+            return self._forward(inp, kv_caches)
+
+    def _forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         c = self.cfg
         rope = rope_cos_sin(inp.positions, self.inv_freq, c.rope_scaling, self.dtype)
         local = (
@@ -67,7 +73,7 @@ class LlamaModel:
             else:
                 h.add_(delta)
         h = rms_norm(h[inp.sample_rows], self.w.final_norm, eps)
-        logits = F.linear(h, self.w.lm_head)
+        logits = linear(h, self.w.lm_head)  # in the order ops.fixed_order picks
         if c.final_softcap is not None:
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return logits.float()  # [n, vocab]
@@ -103,7 +109,7 @@ class LlamaModel:
         layer = self.w.layers[i]
         scale = layer.scale.get(fused)
         y = (
-            F.linear(x, layer.proj[fused], layer.bias.get(fused))
+            linear(x, layer.proj[fused], layer.bias.get(fused))
             if scale is None
             else fp8_linear(x, layer.proj[fused], scale, layer.bias.get(fused))
         )

@@ -105,6 +105,9 @@ class AppArgs(_Strict):
     cuda_graphs: bool = True  # CUDA: decode steps replay graphs captured at start-up (false: eager, for debugging)
     # the engine loop in a child process of each LoraReplica (docs/served_path.md); auto: on CUDA
     engine_process: Literal["auto"] | bool = "auto"
+    # every kernel reduces in a batch-independent order: a request's tokens are the same alone, batched,
+    # resumed or migrated (docs/configuration.md; app/engine/determinism.py)
+    deterministic: bool = False
     prefix_caching: bool = True  # share full KV blocks of equal (adapter version, token prefix) across requests
     prefix_cache_max_blocks: int | None = Field(
         None, ge=0
@@ -175,7 +178,9 @@ def _describe(error: ValidationError) -> str:
 # Long enough for a max_model_len generation at a slow decode (8192 tokens at 70 ms); Serve's own default
 # (20 s) cut streams that an Ingress or LoraReplica being replaced was still serving.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 600.0
-GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 1.0
+# How often a stopping replica checks that it has emptied: each deployment Serve stops waits at least
+# this once, and Ctrl-C on `serve run` stops them one after another (issue 46: within 10 s).
+GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 _GRACEFUL = {
     "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
     "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
@@ -318,13 +323,8 @@ def _num_kv_blocks(given: int | str | None, device: str, tensor_parallel_size: i
     return None
 
 
-def parse_args(raw: dict | None, default_model_name: str) -> Settings:
-    try:
-        a = AppArgs.model_validate(raw or {})
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from None
-    _check_model(a.model)
-    engine = EngineConfig(
+def _engine_config(a: AppArgs) -> EngineConfig:
+    return EngineConfig(
         max_num_seqs=a.max_batch_size,
         max_tokens_per_step=a.max_tokens_per_step,
         num_kv_blocks=_num_kv_blocks(a.num_kv_blocks, a.device, a.tensor_parallel_size),
@@ -342,7 +342,22 @@ def parse_args(raw: dict | None, default_model_name: str) -> Settings:
         prefix_cache_max_blocks=a.prefix_cache_max_blocks,
         quantization=a.quantization,
         engine_process=_engine_process(a.engine_process, a.device, a.tensor_parallel_size),
+        deterministic=a.deterministic,
     )
+
+
+def parse_args(raw: dict | None, default_model_name: str) -> Settings:
+    try:
+        a = AppArgs.model_validate(raw or {})
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+    _check_model(a.model)
+    try:
+        engine = _engine_config(a)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # a combination the engine refuses (e.g. deterministic with fp8)
+        raise ConfigError(f"invalid serve_config.yaml args:\n  {exc}") from None
     try:
         adapter_store = store_config(a.adapter_cache, a.adapter_source, a.max_lora_rank)
     except ValueError as exc:

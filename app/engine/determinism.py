@@ -1,0 +1,74 @@
+"""`EngineConfig.deterministic`: which reduction order each op of the forward takes (ops/fixed_order.py),
+a pure function of the config, and what the switch refuses.
+
+On, every op on the prefill and decode path reduces in an order that does not depend on the batch:
+base projections and LM head in fixed row tiles, attention per row with one split, SGMV with one
+cluster width, the sampler per row (as always). A request's logits are then the same bits alone,
+in any batch, after preemption, after a prefix-cache hit and after migration to another replica
+with the same config and GPU. Off (the default): the libraries' per-shape choices, faster.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ops import fixed_order, paged_decode
+from ops.fixed_order import Paths
+
+if TYPE_CHECKING:
+    from app.engine.config import EngineConfig
+
+
+def paths_for(config: EngineConfig) -> Paths:
+    """The paths an engine of this config runs: fixed orders when deterministic, else the libraries'."""
+    return fixed_order.fixed(config.device) if config.deterministic else fixed_order.LIBRARY
+
+
+def refusal(config: EngineConfig) -> str | None:
+    """Why `deterministic` cannot be honoured with the rest of this config (None: it can). Each
+    named feature runs a path with no fixed order yet."""
+    if not config.deterministic:
+        return None
+    if config.quantization is not None:
+        return f"deterministic: not with quantization {config.quantization!r} (its GEMM has no fixed-order path)"
+    if config.tensor_parallel_size > 1:
+        return "deterministic: not with tensor_parallel_size > 1 (the all-reduce's order depends on the message size)"
+    if config.mixed_graph_tokens > 0:
+        return "deterministic: not with mixed_graph_tokens > 0 (the graph pieces run the library's attention)"
+    return None
+
+
+def model_refusal(config: EngineConfig, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> str | None:
+    """Why this model cannot run the fixed paths on this config's device (None: it can): on CUDA
+    fixed-order attention is the decode kernel's, which serves only some head layouts."""
+    if not config.deterministic or torch.device(config.device).type != "cuda":
+        return None
+    if not paged_decode.supported(dtype, head_dim, heads, kv_heads, config.block_size):
+        return (
+            f"deterministic: no fixed-order attention on CUDA for head_dim {head_dim}, {heads}/{kv_heads} heads, "
+            f"block_size {config.block_size} (the decode kernel's shapes: ops/paged_decode.py)"
+        )
+    return None
+
+
+def apply(model, config: EngineConfig) -> Paths:
+    """Give the model its config's paths (a LlamaModel reads them in forward); refuse a model they
+    cannot serve. On CUDA the fixed paths also pin cuBLAS's reductions to fp32 (process-wide)."""
+    paths = paths_for(config)
+    if not config.deterministic:  # a model's own default: the libraries' paths
+        return paths
+    c = model.cfg
+    why = model_refusal(config, model.dtype, c.head_dim, c.num_heads, c.num_kv_heads)
+    if why is not None:
+        raise ValueError(why)
+    if torch.device(config.device).type == "cuda":
+        fixed_order.pin_cuda_libraries()
+    model.paths = paths
+    return paths
+
+
+def stats(config: EngineConfig) -> dict:
+    """What the replica reports: the switch and the paths it selected."""
+    return {"deterministic": config.deterministic, "paths": paths_for(config).as_dict()}
