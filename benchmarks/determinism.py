@@ -6,7 +6,7 @@ Plumbing check: python benchmarks/determinism.py --tiny  (a 2-layer model, CPU o
 
 Llama-2-7B shape, random fp16 weights, rank-16 adapters on all seven projections (the helpers of
 benchmarks/e2e_throughput.py). Throughput: N requests queued at once, greedy, at max batch 32 and 64,
-workloads backbone and distinct, 128 prompt / 128 new tokens, and at max batch 32 the ShareGPT-like
+workloads backbone and distinct (64 requests), 128 prompt / 128 new tokens, and at max batch 32 the ShareGPT-like
 mixed lengths; each cell run in the default mode and deterministic, same process, same requests;
 cost = 1 - tok/s(deterministic) / tok/s(default). Identity: R requests (mixed adapters, greedy,
 logprobs) generated alone one by one, all at once in one batch, and migrated (each resumed after
@@ -191,7 +191,7 @@ def plot(data, png):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=pathlib.Path, default=None)
-    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--batches", default="32,64")

@@ -65,21 +65,25 @@ def current() -> Paths:
 
 @contextlib.contextmanager
 def using(paths: Paths):
-    """Ops called inside this block (on this thread) take `paths`."""
+    """Ops called inside this block (on this thread) take `paths`. On row_tiles, cuBLAS also reduces
+    in fp32 inside the block (its reduced-precision split-K rounds partial sums to fp16/bf16 at a
+    split of its choosing); the flags are torch's process-wide ones, restored on leaving."""
     token = _current.set(paths)
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction)
+    if paths.gemm == "row_tiles":
+        matmul.allow_fp16_reduced_precision_reduction = False
+        matmul.allow_bf16_reduced_precision_reduction = False
     try:
         yield
     finally:
         _current.reset(token)
+        matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = saved
 
 
-def pin_cuda_libraries() -> None:
-    """Library settings a fixed order needs on CUDA, process-wide: cuBLAS reductions in fp32 (its
-    reduced-precision split-K rounds partial sums to fp16/bf16 by its own choice of split), and a
-    fixed cuBLAS workspace (read when the first handle is made: effective if set before any GEMM)."""
+def pin_cuda_workspace() -> None:
+    """A fixed cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG, read when the process's first cuBLAS handle
+    is made: effective only if set before any GEMM ran; a value already set is kept)."""
     import os
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.allow_tf32 = False

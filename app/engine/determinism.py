@@ -55,7 +55,7 @@ def model_refusal(config: EngineConfig, dtype: torch.dtype, head_dim: int, heads
 
 def apply(model, config: EngineConfig) -> Paths:
     """Give the model its config's paths (a LlamaModel reads them in forward); refuse a model they
-    cannot serve. On CUDA the fixed paths also pin cuBLAS's reductions to fp32 (process-wide)."""
+    cannot serve. On CUDA, a fixed cuBLAS workspace where none is set yet."""
     paths = paths_for(config)
     if not config.deterministic:  # a model's own default: the libraries' paths
         return paths
@@ -64,7 +64,7 @@ def apply(model, config: EngineConfig) -> Paths:
     if why is not None:
         raise ValueError(why)
     if torch.device(config.device).type == "cuda":
-        fixed_order.pin_cuda_libraries()
+        fixed_order.pin_cuda_workspace()
     model.paths = paths
     return paths
 
