@@ -67,7 +67,9 @@ def check_finite(q: torch.Tensor, s: torch.Tensor, name: str) -> None:
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_x [M, K] e4m3 contiguous, s_x [M, 1] fp32) of x [M, K], one scale per row (token)."""
-    if x.is_cuda and x.dtype in _CTYPE and _kernel_layout(x):
+    if x.is_cuda and x.dtype in _CTYPE and x.shape[1] % 8 == 0:
+        if not _kernel_layout(x):  # copied: the path (and its rounding) never depends on where x lives
+            x = x.clone(memory_format=torch.contiguous_format)
         return _quantize_rows_kernel(x)
     return _quantize_rows_torch(x)
 
