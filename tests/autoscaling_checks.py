@@ -24,7 +24,7 @@ _loop = asyncio.new_event_loop()
 threading.Thread(target=_loop.run_forever, daemon=True).start()  # one client loop for every request
 
 
-def deploy(app: str, autoscaling: dict, max_batch: int) -> None:
+def deploy(app: str, autoscaling: dict, max_batch: int, step: StepTime = STEP) -> None:
     from ray import serve
 
     # max_ongoing_requests = the batch: Serve's own limit backs the router's count, so a
@@ -41,7 +41,7 @@ def deploy(app: str, autoscaling: dict, max_batch: int) -> None:
     options = parse_args(args, "simulated").replica_options
     settings = ReplicaSettings(None, EngineConfig(max_num_seqs=max_batch, num_kv_blocks=512), (), migrate_locally=False)
     serve.run(
-        LoraReplica.options(**options).bind(settings, None, functools.partial(simulated_engine, STEP)),
+        LoraReplica.options(**options).bind(settings, None, functools.partial(simulated_engine, step)),
         name=app,
         route_prefix=None,
     )

@@ -29,6 +29,7 @@ from cluster.router import busy_releases
 from tests.app_fixtures import delete_apps, shared_serve, wait_for
 from tests.autoscaling_checks import complete, deploy, expected_text, in_threads, joined
 from tests.replica_watch import ReplicaWatch
+from tests.simulated_engine import StepTime
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +80,14 @@ def test_ramp_up_then_down_to_zero_and_back(cluster):
             "downscale_delay_s": delay,
         },
         2,
+        StepTime(0.1),  # a step of >= 0.1 s: the burst's streams outlast joined's wait (below)
     )
     cut = len(busy_releases())
     with ReplicaWatch("ramp") as watch:
         # up from zero: 6 streams wait for Serve to start replicas of batch 2 (so each gets work the
         # moment it runs, never idles first) and the deployment grows to 3. Each stream is as long as
-        # the simulated context allows (4090 tokens of >= 50 ms: minutes), so it is open until
-        # cancelled below however slow the starts; Serve gives a replica at most its batch
+        # the simulated context allows (4090 steps: longer than joined waits for the replicas to
+        # start), so it is open until cancelled below; Serve gives a replica at most its batch
         handle = serve.get_deployment_handle("LoraReplica", "ramp").options(stream=True).generate
         params = SamplingParams(max_tokens=4090, temperature=0.0)
         burst = [handle.remote(GenerateRequest(f"burst-{i}", (5 + i, 7, 11), params), None, 0) for i in range(6)]
