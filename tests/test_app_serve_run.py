@@ -1,11 +1,14 @@
 """The README's run command, exactly as a user types it (`serve run serve_config.yaml`
-from the repository root), brings the endpoint up; a request succeeds; Ctrl-C stops it."""
+from the repository root), brings the endpoint up; a request succeeds; Ctrl-C stops it within
+CTRL_C_BOUND_S with a stream open, and that stream ends (it does not hang)."""
 
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
+import time
 
 import httpx
 import pytest
@@ -18,6 +21,7 @@ from tests.error_hygiene import checked_openai
 pytestmark = pytest.mark.serve  # starts the `serve` CLI in a subprocess
 
 COMMAND = "serve run serve_config.yaml"
+CTRL_C_BOUND_S = 10.0  # issue 46: Ctrl-C returns within 10 s, streams open or not
 
 
 def _port_open(port: int) -> bool:
@@ -79,6 +83,40 @@ def test_readme_run_command_serves_and_stops(served):
         reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi!"}], max_tokens=4)
         assert reply.choices[0].message.content and reply.usage.completion_tokens >= 1
 
-    proc.send_signal(signal.SIGINT)  # Ctrl-C: serve run shuts Serve and its local Ray down
+    stream = _OpenStream(url, BASE)  # a generation far longer than the test: open when Ctrl-C comes
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C as a terminal sends it: to the foreground process group
+    sent = time.monotonic()
     proc.wait(timeout=120)
+    took = time.monotonic() - sent
+    assert took <= CTRL_C_BOUND_S, f"serve run took {took:.1f} s to stop after Ctrl-C\n" + log.read_text()[-5000:]
+    stream.thread.join(timeout=30)
+    # ended: complete, an error event, or the connection closed (Serve stops its HTTP proxy first)
+    assert not stream.thread.is_alive() and stream.end, "the open stream hung after Ctrl-C"
     assert wait_for(lambda: not _port_open(int(url.rsplit(":", 1)[1])), timeout=30), "the endpoint is still up"
+
+
+class _OpenStream:
+    """A streaming completion read on a thread; returns once its first chunk has arrived. `end`:
+    how it ended ("done", "error event", or the client's exception), None while it runs."""
+
+    def __init__(self, url: str, model: str):
+        self.first, self.end = threading.Event(), None
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 3000, "min_tokens": 3000, "stream": True}
+        self.thread = threading.Thread(target=self._read, args=(f"{url}/v1/completions", body), daemon=True)
+        self.thread.start()
+        assert self.first.wait(120) and self.end is None, f"no stream open: {self.end}"
+
+    def _read(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", url, json=body, timeout=httpx.Timeout(300, connect=10)) as reply:
+                for line in reply.iter_lines():
+                    self.first.set()
+                    if line.startswith("data: ") and '"error"' in line:
+                        self.end = "error event"
+                    elif line == "data: [DONE]":
+                        self.end = self.end or "done"
+            self.end = self.end or "closed"
+        except httpx.HTTPError as exc:
+            self.end = repr(exc)
+        finally:
+            self.first.set()
