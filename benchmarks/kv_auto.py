@@ -204,8 +204,8 @@ def one_shape(name: str, root: pathlib.Path, tiny: bool, device: str) -> tuple[d
         "checkpoint_write_s": round(written, 1),
         "engine_start_s": round(built, 2),
         "answered": not core.has_work(),
-        **core.stats()["kv_cache"],
-        "startup_seconds": core.stats()["startup_seconds"],
+        **core.stats().kv_cache,
+        "startup_seconds": core.stats().startup_seconds,
     }
     return row, core
 

@@ -11,9 +11,11 @@ token. Adapters are names only.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from app.engine.config import EngineConfig
+from app.engine.engine_stats import EngineReport, EngineStats
 from app.engine.kv_cache import BlockAllocator
 from app.engine.scheduler import Scheduler
 from app.engine.sequence import Sequence
@@ -55,6 +57,11 @@ class _Names:
     def get(self, name: str):
         return None
 
+    def prefetch(self, name: str) -> Future:
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
     def version(self, name: str) -> str:
         return "simulated"
 
@@ -72,17 +79,14 @@ class _NoGrammars:
         raise InvalidRequestError("structured output is not simulated")
 
 
-class _NoModel:
-    broken = None
-
-
 class SimulatedCore:
+    """A Core (app/engine/interface.py) whose steps sleep instead of running a model."""
+
     def __init__(self, config: EngineConfig, step_time: StepTime, max_model_len: int = 4096):
         self.config = config
         self.step_time = step_time
         self.max_model_len = max_model_len
         self.adapters = _Names()
-        self.model = _NoModel()
         self.grammars = _NoGrammars()
         self.allocator = BlockAllocator(config.num_kv_blocks)
         self.scheduler = Scheduler(config, self.allocator, pool=None)
@@ -92,8 +96,10 @@ class SimulatedCore:
         self.idle = False
         self.max_batch_seen = 0
         self.last_batch_size = 0
+        self.last_preempted = 0
+        self.preemptions = 0
 
-    def add(self, request: GenerateRequest, front: bool = False, adapter=None, grammar=None) -> None:
+    def add(self, request: GenerateRequest, adapter=None, grammar=None) -> None:
         if request.params.guide is not None:
             self.grammars.compile(request.params.guide)
         if request.request_id in self._seqs:
@@ -105,7 +111,7 @@ class SimulatedCore:
         self._arrivals += 1
         seq = Sequence(request, request.params.seed or 0, self._arrivals, None)
         self._seqs[request.request_id] = seq
-        (self.scheduler.waiting.appendleft if front else self.scheduler.waiting.append)(seq)
+        self.scheduler.waiting.append(seq)
 
     def abort(self, request_id: str) -> list[Chunk]:
         seq = self._seqs.pop(request_id, None)
@@ -124,6 +130,8 @@ class SimulatedCore:
         for seq in plan.preempted:
             del self._seqs[seq.request_id]
             out.append(Migrate(seq.request_id, seq.prompt_ids, tuple(seq.output_ids), seq.seed, "kv_cache_exhausted"))
+        self.last_preempted = len(plan.preempted) + len(plan.requeued)  # requeued ones stay, to be recomputed
+        self.preemptions += self.last_preempted
         if plan.scheduled:
             prefill = sum(n for _, n in plan.scheduled if n > 1)
             time.sleep(self.step_time(len(plan.scheduled), prefill))
@@ -164,19 +172,23 @@ class SimulatedCore:
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
 
-    def stats(self) -> dict:
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "max_batch": self.config.max_num_seqs,
-            "free_kv_blocks": self.allocator.num_free,
-            "total_kv_blocks": self.allocator.num_blocks,
-            "block_size": self.config.block_size,
-            "resident_adapters": [],
-            "steps": self.steps,
-            "max_batch_seen": self.max_batch_seen,
-            "tokens_computed": 0,
-        }
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            max_batch=self.config.max_num_seqs,
+            free_kv_blocks=self.allocator.num_free,
+            total_kv_blocks=self.allocator.num_blocks,
+            steps=self.steps,
+            max_batch_seen=self.max_batch_seen,
+            preemptions=self.preemptions,
+        )
+
+    def report(self) -> EngineReport:
+        return EngineReport(self.stats(), tuple(self.adapters.names()))
+
+    def failure(self) -> str | None:
+        return None
 
 
 def simulated_engine(step_time: StepTime, settings):

@@ -59,6 +59,21 @@ def test_preempted_requests_resume_exactly(tiny_model_dir, adapter_dir, params):
     assert set(reasons.values()) == {"length"}
     assert tight.allocator.num_free == 40 and not tight.has_work()
 
+    # nowhere to move them (a lone replica): the scheduler requeues them itself, as nano-vllm's preempt()
+    requeuing = _engine(tiny_model_dir, adapter_dir, num_kv_blocks=40)
+    requeuing.scheduler.requeue_preempted = True
+    outputs_at_preemption = []
+    preempt = requeuing.scheduler._preempt
+    requeuing.scheduler._preempt = lambda seq, out: (
+        outputs_at_preemption.append(len(seq.output_ids)),
+        preempt(seq, out),
+    )
+    got, reasons, migrates = run_to_completion(requeuing, {0: reqs})
+    assert not migrates and requeuing.preemptions == len(outputs_at_preemption) > 0
+    assert any(outputs_at_preemption), "no request was preempted mid-generation"
+    assert got == expected and set(reasons.values()) == {"length"}
+    assert requeuing.allocator.num_free == 40 and not requeuing.has_work()
+
 
 def test_newest_request_is_preempted(tiny_model_dir, adapter_dir):
     reqs = _requests(1, 3, SamplingParams(max_tokens=60, temperature=0.0), adapters=(None,))

@@ -101,11 +101,11 @@ def test_outputs_equal_the_in_process_engine(child, settings, model):
     assert got == want
     assert all(out[i][2] in ("stop", "length") for out in got for i in out)
     assert any(out[0][2] == "stop" for out in got)  # a stop string or the grammar ended one
-    stats = child.stats().result(DEADLINE_S)
-    assert stats["running"] == stats["waiting"] == 0 and "a1" in stats["adapters"]
+    report = child.stats().result(DEADLINE_S)
+    assert report.stats.running == report.stats.waiting == 0 and "a1" in report.adapters
     snapshot, telemetry = child.metrics_sample()
     assert telemetry.generation_tokens == sum(len(o[i][0]) for o in got for i in o)
-    assert snapshot["total_kv_blocks"] == CONFIG.num_kv_blocks
+    assert snapshot.total_kv_blocks == CONFIG.num_kv_blocks
 
 
 def test_rejections_raise_before_the_first_chunk(child):
@@ -134,8 +134,8 @@ def test_leaving_a_stream_aborts_it_and_a_drain_moves_the_rest(child):
     first, moved, rest = asyncio.run(scenario())
     assert isinstance(first, TokenChunk) and moved == 1
     assert isinstance(rest[-1], Migrate) and rest[-1].reason == "draining"
-    stats = child.stats().result(DEADLINE_S)
-    assert stats["running"] == stats["waiting"] == 0  # the aborted one holds nothing either
+    stats = child.stats().result(DEADLINE_S).stats
+    assert stats.running == stats.waiting == 0  # the aborted one holds nothing either
 
 
 def test_a_request_left_while_its_adapter_loads_never_runs(child, model):
@@ -151,9 +151,9 @@ def test_a_request_left_while_its_adapter_loads_never_runs(child, model):
 
     after = asyncio.run(scenario())
     assert after[-1].finish_reason == "length"
-    stats = child.stats().result(DEADLINE_S)
+    stats = child.stats().result(DEADLINE_S).stats
     # a 200-token request added before the 2-token one would still be running now
-    assert stats["running"] == stats["waiting"] == 0
+    assert stats.running == stats.waiting == 0
 
 
 def test_the_childs_death_ends_every_stream_and_is_reported(settings):

@@ -58,7 +58,7 @@ def _solo(tiny_model_dir, adapters) -> dict:
 
 def _assert_idle(core):
     s = core.stats()
-    assert s["running"] == s["waiting"] == 0 and s["free_kv_blocks"] == s["total_kv_blocks"], s
+    assert s.running == s.waiting == 0 and s.free_kv_blocks == s.total_kv_blocks, s
     assert core.model.lora_pool.pinned() == 0
 
 

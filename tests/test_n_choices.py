@@ -59,7 +59,7 @@ def _run(engine, request, on_step=None, abort_at=None):
         chunks = engine.abort(request.request_id) if step == abort_at else engine.step()
         for chunk in chunks:
             if isinstance(chunk, Migrate):  # preempted: that choice alone comes back, with its own seed
-                engine.add(request.resumed(chunk), front=True)
+                engine.add(request.resumed(chunk))
                 continue
             out[chunk.index][0].extend(chunk.token_ids)
             if chunk.finish_reason:
@@ -136,7 +136,7 @@ def test_preemption_moves_single_choices_and_aborts_leak_nothing(tiny_model_dir,
     engine = _engine(tiny_model_dir, adapter_dir, num_kv_blocks=20, prefix_caching=False)
     moved = []
     engine_add = engine.add
-    engine.add = lambda r, front=False: (moved.append(r) if r.resume_token_ids else None, engine_add(r, front))
+    engine.add = lambda r: (moved.append(r) if r.resume_token_ids else None, engine_add(r))
     out = _run(engine, request)
     assert moved and all(r.n == 1 and r.params.seed == choice_seed(request.params.seed, r.index) for r in moved)
     assert {i: toks for i, (toks, _) in out.items()} == _alone(tiny_model_dir, adapter_dir, request)
@@ -179,6 +179,8 @@ def test_async_engine_streams_every_choice_once(tiny_model_dir, adapter_dir):
     assert sorted(c.index for c in items if c.finish_reason) == [0, 1, 2]  # each choice ends once
     assert tokens == _alone(tiny_model_dir, adapter_dir, request)
     assert engine.core.allocator.num_free == 16
+    # preempted choices were requeued by the scheduler: none left its stream as a Migrate
+    assert engine.core.preemptions > 0 and not any(isinstance(c, Migrate) for c in items)
 
 
 def test_choice_seeds_and_per_choice_coalescing():

@@ -54,7 +54,7 @@ def test_an_engine_reports_the_heads_it_admitted_most_recently(tiny_model_dir):
     prompts = [tuple(rng.randrange(320) for _ in range(HEAD_TOKENS + 3)) for _ in range(3)]
     jobs = {i: [GenerateRequest(f"r{i}", p, SamplingParams(max_tokens=2))] for i, p in enumerate(prompts)}
     run_to_completion(engine, {**jobs, 3: [GenerateRequest("short", (1, 2, 3), SamplingParams(max_tokens=2))]})
-    assert engine.stats()["prefix_heads"] == [prefix_head(None, p) for p in prompts]
+    assert engine.stats().prefix_heads == tuple(prefix_head(None, p) for p in prompts)
 
 
 # -- real Ray Serve ---------------------------------------------------------------------

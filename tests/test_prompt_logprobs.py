@@ -76,3 +76,21 @@ def test_prompt_logprobs_refused_for_several_choices(tiny_model_dir):
     engine = build_engine(tiny_model_dir, EngineConfig(num_kv_blocks=16, block_size=4), tokenizer=None)
     with pytest.raises(InvalidRequestError, match="one choice"):
         engine.add(GenerateRequest("x", (1, 2, 3), SamplingParams(prompt_logprobs=1), n=2))
+
+
+def test_a_request_requeued_mid_prefill_reports_each_prompt_logprob_once(tiny_model_dir):
+    """Preempted while its prompt is half computed, and requeued by the scheduler (a lone replica):
+    its prompt logprobs are computed again from the start, not appended to the first attempt's."""
+    cfg = EngineConfig(num_kv_blocks=13, block_size=4, max_tokens_per_step=16)
+    engine = build_engine(tiny_model_dir, cfg, tokenizer=None)
+    engine.scheduler.requeue_preempted = True
+    prompt = tuple((7 * i + 3) % 320 for i in range(37))  # 10 blocks with its first token
+    # the older request fills 3 blocks and grows: the newer one is preempted before its prompt is done
+    older = GenerateRequest("older", tuple(range(12)), SamplingParams(max_tokens=6, temperature=0.0))
+    asks = GenerateRequest("asks", prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=TOP))
+    first = _first_chunks(engine, [older, asks])
+    assert engine.preemptions > 0
+    got = first["asks"].prompt_logprobs
+    ref = _reference(tiny_model_dir, None, list(prompt))
+    assert len(got) == len(prompt) and got[0] is None
+    assert all(abs(e["logprob"] - ref[p - 1, prompt[p]].item()) < 1e-4 for p, e in enumerate(got[1:], start=1))

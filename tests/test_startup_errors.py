@@ -112,8 +112,8 @@ def test_the_probe_runs_its_requests_to_the_end(tiny_model_dir):
 
 def test_stats_report_the_kv_cache_and_start_up_times(tiny_model_dir):
     engine = build_engine(tiny_model_dir, EngineConfig(num_kv_blocks=24, block_size=4), tokenizer=None)
-    kv = engine.stats()["kv_cache"]
+    kv = engine.stats().kv_cache
     assert (kv["blocks"], kv["tokens"], kv["mode"]) == (24, 96, "explicit")
     block = 2 * engine.model.cfg.num_layers * 4 * engine.model.cfg.num_kv_heads * engine.model.cfg.head_dim * 4
     assert kv["bytes"] == 24 * block
-    assert set(engine.stats()["startup_seconds"]) >= {"weights", "adapters", "kv_sizing", "graph_capture"}
+    assert set(engine.stats().startup_seconds) >= {"weights", "adapters", "kv_sizing", "graph_capture"}

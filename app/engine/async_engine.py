@@ -18,8 +18,10 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, InvalidStateError
 
-from app.engine.core import EngineCore
-from app.engine.engine_loop import EngineLoop, StreamState, describe
+from app.engine.engine_loop import Abort, Add, Call, EngineLoop, StreamState, report
+from app.engine.engine_stats import EngineReport, EngineStats
+from app.engine.interface import Core
+from app.engine.telemetry import TelemetryBatch
 from app.protocol import Chunk, GenerateRequest, coalesce, is_final
 
 log = logging.getLogger(__name__)
@@ -115,7 +117,7 @@ class LocalAdapters:
 
 
 class AsyncEngine(EngineLoop):
-    def __init__(self, core: EngineCore, migrate_locally: bool = True):
+    def __init__(self, core: Core, migrate_locally: bool = True):
         super().__init__(core, migrate_locally)
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Chunk]]] = defaultdict(list)
         self._callers = Callers()
@@ -141,7 +143,7 @@ class AsyncEngine(EngineLoop):
             grammar = None  # likewise a guide's compile (cached; a bad one raises here, before any chunk)
             if request.params.guide is not None:
                 grammar = await asyncio.to_thread(self.core.grammars.compile, request.params.guide)
-            self.post(("add", stream, adapter, grammar))
+            self.post(Add(stream, adapter, grammar))
             await asyncio.wrap_future(stream.accepted)
             async for item in relay(stream):
                 yield item
@@ -152,7 +154,7 @@ class AsyncEngine(EngineLoop):
             self._callers.leave()
 
     def abort(self, request_id: str) -> None:
-        self.post(("abort", request_id))
+        self.post(Abort(request_id))
 
     def drain(self) -> Future:
         """End every request's stream with Migrate(reason="draining"); a Future of how many."""
@@ -161,22 +163,20 @@ class AsyncEngine(EngineLoop):
     def call(self, fn, *args) -> Future:
         """Run fn(core, *args) on the engine thread (e.g. to register an adapter); a Future."""
         done: Future = Future()
-        self.post(("call", fn, args, done))
+        self.post(Call(fn, args, done))
         return done
 
-    def stats(self) -> Future:
-        """A Future of the engine's counters and loaded adapters (engine_loop.describe)."""
-        return self.call(describe)
+    def stats(self) -> Future[EngineReport]:
+        """A Future of the engine's counters and adapters, read on the engine thread."""
+        return self.call(report)
 
-    def metrics_sample(self):
+    def metrics_sample(self) -> tuple[EngineStats, TelemetryBatch]:
         """(the stats of the latest step, the telemetry recorded since the previous sample)."""
         return self.snapshot, self.telemetry.drain()
 
     def failure(self) -> str | None:
-        """Why this engine can serve nothing more (None: it can): tensor-parallel shards
-        that fell out of step in a failed step (app/engine/tp/model.py)."""
-        broken = getattr(self.core.model, "broken", None)
-        return None if broken is None else f"tensor-parallel shards out of step: {broken}"
+        """Why this engine can serve nothing more (None: it can)."""
+        return self.core.failure()
 
     def shutdown(self) -> None:
         self.stop()

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import random
 
+from app.engine import determinism
 from app.engine.config import EngineConfig
 from app.engine.detokenizer import Detokenizer
+from app.engine.engine_stats import EngineReport, EngineStats
 from app.engine.grammar import GrammarError, Grammars
 from app.engine.kv_cache import BlockAllocator, allocate_kv
 from app.engine.prefix_cache import PrefixCache, model_key
@@ -45,6 +47,7 @@ class EngineCore:
         if model.lora_pool is not None:  # a first-use kernel compile would stall a step mid-serving
             pool = model.lora_pool.config
             prepare_lora_kernels(pool.dtype, pool.max_rank, pool.device)
+        determinism.apply(model, config)  # before the runner captures graphs of the forward
         self.runner = ModelRunner(model, self.kv, config, self.max_model_len)
         self.grammars = Grammars(tokenizer, c.vocab_size, c.eos_token_ids)
         self._arrivals = itertools.count()
@@ -54,11 +57,13 @@ class EngineCore:
         self.idle = False
         self.max_batch_seen = 0  # most requests in one forward pass
         self.last_batch_size = 0  # requests in the latest forward pass
+        self.last_preempted = 0  # requests the latest step preempted (moved out or requeued)
+        self.preemptions = 0  # requests preempted, ever
         self.tokens_computed = 0  # prefill + decode tokens through the model, ever
         self.startup_report: dict = {}  # the KV plan and start-up times (app/engine/factory.py), in stats()
 
     # -- requests -------------------------------------------------------------
-    def add(self, request: GenerateRequest, front: bool = False, adapter=None, grammar=None) -> None:
+    def add(self, request: GenerateRequest, adapter=None, grammar=None) -> None:
         """Validate and queue; raises (before any compute) on unknown adapter or bad input.
         ``adapter``: the request's LoraWeights if the caller resolved them already (the
         async engine does, off this thread); else they are fetched here, blocking. ``grammar``:
@@ -83,10 +88,7 @@ class EngineCore:
             self._seqs[seq.key] = seq
             if wanted(seq):
                 self._prompt_lp[seq.key] = [None]  # the first prompt token has no logprob
-        if front:
-            self.scheduler.waiting.extendleft(reversed(seqs))
-        else:
-            self.scheduler.waiting.extend(seqs)
+        self.scheduler.waiting.extend(seqs)
 
     def _sequence(self, request: GenerateRequest, seed: int, index: int, adapter, grammar) -> Sequence:
         seq = Sequence(request, seed, next(self._arrivals), adapter, index=index)
@@ -135,6 +137,11 @@ class EngineCore:
         plan = self.scheduler.schedule()
         self.idle = not plan.scheduled  # nothing runnable: only waiting for adapter copies or KV
         out: list[Chunk] = [self._migrate(seq) for seq in plan.preempted]
+        for seq in plan.requeued:  # recomputed from its first token: so are its prompt logprobs
+            if seq.key in self._prompt_lp:
+                self._prompt_lp[seq.key] = [None]
+        self.last_preempted = len(plan.preempted) + len(plan.requeued)
+        self.preemptions += self.last_preempted
         out += [self._fail(seq, message) for seq, message in plan.failed]
         if plan.scheduled:
             result = self.runner.step(plan.scheduled)
@@ -217,20 +224,36 @@ class EngineCore:
         self.scheduler.remove(seq)
 
     # -- introspection ------------------------------------------------------------
-    def stats(self) -> dict:
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "max_batch": self.config.max_num_seqs,
-            "free_kv_blocks": self.allocator.num_free,
-            "total_kv_blocks": self.allocator.num_blocks,
-            "resident_adapters": [name for name, _ in self.model.lora_pool.resident()] if self.model.lora_pool else [],
-            "steps": self.steps,
-            "max_batch_seen": self.max_batch_seen,
-            "tokens_computed": self.tokens_computed,
-            "cached_kv_blocks": self.allocator.num_cached,
-            "prefix_hit_tokens": dict(self.prefix.hit_tokens),
-            "prefix_query_tokens": dict(self.prefix.query_tokens),
-            "prefix_heads": self.prefix.recent_heads(),
-            **self.startup_report,
-        }
+    def stats(self) -> EngineStats:
+        pool = self.model.lora_pool
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            max_batch=self.config.max_num_seqs,
+            free_kv_blocks=self.allocator.num_free,
+            total_kv_blocks=self.allocator.num_blocks,
+            resident_adapters=tuple(name for name, _ in pool.resident()) if pool else (),
+            steps=self.steps,
+            max_batch_seen=self.max_batch_seen,
+            tokens_computed=self.tokens_computed,
+            preemptions=self.preemptions,
+            cached_kv_blocks=self.allocator.num_cached,
+            prefix_hit_tokens=dict(self.prefix.hit_tokens),
+            prefix_query_tokens=dict(self.prefix.query_tokens),
+            prefix_heads=tuple(self.prefix.recent_heads()),
+            kv_cache=self.startup_report.get("kv_cache"),
+            startup_seconds=self.startup_report.get("startup_seconds"),
+            **determinism.stats(self.config),  # the switch and the op paths it selected
+        )
+
+    def report(self) -> EngineReport:
+        """The counters and the adapter store's names, tiers and counts (run on the loop: exact)."""
+        store = self.adapters
+        tiers = {**store.describe(), "tiers": store.tiers(self.model.lora_pool)}
+        return EngineReport(self.stats(), tuple(store.names()), tiers)
+
+    def failure(self) -> str | None:
+        """Why this engine can serve nothing more (None: it can): only the tensor-parallel model
+        (app/engine/tp/model.py) can fall out of step, in a failed step."""
+        broken = getattr(self.model, "broken", None)  # a single-GPU model has no shards to lose
+        return None if broken is None else f"tensor-parallel shards out of step: {broken}"

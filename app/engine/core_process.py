@@ -25,7 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from adapters_store.errors import AdapterError
 from app.engine import engine_wire as wire
-from app.engine.engine_loop import EngineLoop, StreamState
+from app.engine.engine_loop import Abort, Add, Call, EngineLoop, StreamState
+from app.engine.interface import Core
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class Sender:
         self.conn = conn
         self.lock = threading.Lock()
 
-    def send(self, message) -> None:
+    def send(self, message: wire.FromEngine) -> None:
         data = wire.dumps(message)
         with self.lock:
             self.conn.send_bytes(data)
@@ -64,15 +65,15 @@ class Sender:
     def reply(self, call_id: int, done: Future) -> None:
         error = done.exception()
         if error is None:
-            self.send(("reply", call_id, True, done.result()))
+            self.send(wire.Reply(call_id, True, done.result()))
         else:
-            self.send(("reply", call_id, False, wire.encode_error(error)))
+            self.send(wire.Reply(call_id, False, wire.encode_error(error)))
 
 
 class ProcessLoop(EngineLoop):
     """The loop whose output is one message per step on the pipe."""
 
-    def __init__(self, core, migrate_locally: bool, out: Sender):
+    def __init__(self, core: Core, migrate_locally: bool, out: Sender):
         super().__init__(core, migrate_locally)
         self.out = out
         self._chunks: list[tuple] = []
@@ -87,7 +88,7 @@ class ProcessLoop(EngineLoop):
     def _send(self) -> None:
         if self._chunks or self._accepts:
             accepts, chunks, self._accepts, self._chunks = self._accepts, self._chunks, [], []
-            self.out.send(("step", accepts, chunks))
+            self.out.send(wire.StepOut(accepts, chunks))
 
 
 class Preparer:
@@ -105,15 +106,13 @@ class Preparer:
     def add(self, stream: StreamState) -> None:
         name = stream.request.adapter
         if not name and stream.request.params.guide is None:
-            return self.loop.post(("add", stream, None, None))
+            return self.loop.post(Add(stream))
         with self._lock:
             rid = stream.request.request_id
             self._preparing[rid] = self._preparing.get(rid, 0) + 1
         if not name:
             return self._then_grammar(stream, None)
-        prefetch = getattr(self.store, "prefetch", None)
-        loading = prefetch(name) if prefetch is not None else self.compiles.submit(self.store.get, name)
-        loading.add_done_callback(lambda done: self._loaded(stream, name, done))
+        self.store.prefetch(name).add_done_callback(lambda done: self._loaded(stream, name, done))
 
     def _loaded(self, stream: StreamState, name: str, done: Future) -> None:
         error = done.exception()
@@ -140,7 +139,7 @@ class Preparer:
         with self._lock:
             if request_id in self._preparing:
                 self._aborted.add(request_id)
-        self.loop.post(("abort", request_id))
+        self.loop.post(Abort(request_id))
 
     def _prepared(self, stream: StreamState) -> bool:
         """Whether the add still goes ahead (it was not aborted meanwhile)."""
@@ -155,28 +154,27 @@ class Preparer:
 
     def _post(self, stream: StreamState, adapter, grammar) -> None:
         if self._prepared(stream):
-            self.loop.post(("add", stream, adapter, grammar))
+            self.loop.post(Add(stream, adapter, grammar))
 
     def _reject(self, stream: StreamState, error: BaseException) -> None:
         if self._prepared(stream):
-            self.out.send(("step", [(stream.request.request_id, wire.encode_error(error))], []))
+            self.out.send(wire.StepOut([(stream.request.request_id, wire.encode_error(error))], []))
 
-    def store_call(self, call_id: int, method: str, args: tuple) -> None:
+    def store_call(self, call_id: int, method: wire.StoreMethod, args: tuple) -> None:
         """register / unregister / version run here, in order with the adds that follow;
         a load (``prefetch``) answers when the store's loader threads have it."""
+        if method == "load":
+            return self.add_load(call_id, args[0])
+        run = {"register": self.store.register, "unregister": self.store.unregister, "version": self.store.version}
         done: Future = Future()
         try:
-            if method == "load":
-                self.add_load(call_id, args[0])
-                return
-            done.set_result(getattr(self.store, method)(*args))
+            done.set_result(run[method](*args))
         except Exception as exc:
             done.set_exception(exc)
         self.out.reply(call_id, done)
 
     def add_load(self, call_id: int, name: str) -> None:
-        prefetch = getattr(self.store, "prefetch", None)
-        loading = prefetch(name) if prefetch is not None else self.compiles.submit(self.store.get, name)
+        loading = self.store.prefetch(name)
         answer: Future = Future()
 
         def loaded(done: Future) -> None:
@@ -200,24 +198,29 @@ def _read(conn, loop: ProcessLoop, out: Sender, prep: Preparer) -> None:
             message = wire.loads(conn.recv_bytes())
         except (EOFError, OSError):  # the replica is gone: so is its engine
             os._exit(0)
-        kind = message[0]
-        if kind == "add":
-            prep.add(StreamState(message[1], message[2]))
-        elif kind == "abort":
-            prep.abort(message[1])
-        elif kind in ("call", "drain"):
-            call_id = message[1]
-            fn, args = (message[2], message[3]) if kind == "call" else (lambda core: loop.evict_all("draining"), ())
-            done: Future = Future()
-            done.add_done_callback(lambda d, call_id=call_id: out.reply(call_id, d))
-            loop.post(("call", fn, args, done))
-        elif kind == "store":
-            prep.store_call(*message[1:])
-        elif kind == "sample":  # the metrics exporter's: the latest step's stats and the telemetry since
-            out.send(("reply", message[1], True, (loop.snapshot, loop.telemetry.drain())))
-        elif kind == "stop":
-            loop.stop()
-            return
+        match message:
+            case wire.Submit(request, arrival):
+                prep.add(StreamState(request, arrival))
+            case wire.Cancel(request_id):
+                prep.abort(request_id)
+            case wire.RunCall(call_id, fn, args):
+                _call_on_loop(loop, out, call_id, fn, args)
+            case wire.Drain(call_id):
+                _call_on_loop(loop, out, call_id, lambda core: loop.evict_all("draining"), ())
+            case wire.StoreCall(call_id, method, args):
+                prep.store_call(call_id, method, args)
+            case wire.Sample(call_id):  # the metrics exporter's: the latest step's stats and the telemetry since
+                out.send(wire.Reply(call_id, True, (loop.snapshot, loop.telemetry.drain())))
+            case wire.Stop():
+                loop.stop()
+                return
+
+
+def _call_on_loop(loop: ProcessLoop, out: Sender, call_id: int, fn, args: tuple) -> None:
+    """fn(core, *args) on the loop; its Reply when it has run."""
+    done: Future = Future()
+    done.add_done_callback(lambda d: out.reply(call_id, d))
+    loop.post(Call(fn, args, done))
 
 
 def main(conn, engine_factory, settings, parent_pid: int) -> None:
@@ -231,10 +234,10 @@ def main(conn, engine_factory, settings, parent_pid: int) -> None:
         engine.shutdown()
         loop = ProcessLoop(engine.core, engine.migrate_locally, out)
     except BaseException:
-        out.send(("failed", traceback.format_exc()))
+        out.send(wire.Failed(traceback.format_exc()))
         return
     threading.Thread(
         target=_read, args=(conn, loop, out, Preparer(loop, out)), name="engine-inbox", daemon=True
     ).start()
-    out.send(("ready", None))
+    out.send(wire.Ready())
     loop.run()

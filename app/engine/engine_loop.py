@@ -1,6 +1,7 @@
-"""The engine's busy loop: the one thread that touches EngineCore.
+"""The engine's busy loop: the one thread that touches its core (EngineCore, or any Core of
+app/engine/interface.py).
 
-Callers post adds, aborts and calls to an inbox; the loop drains it, steps the core and
+Callers post adds, aborts and calls (Add, Abort, Call) to an inbox; the loop drains it, steps the core and
 delivers each step's chunks. How delivered chunks leave the loop is the subclass's:
 AsyncEngine hands them to asyncio event loops in the same process
 (app/engine/async_engine.py); the engine process sends them to its replica in one message
@@ -15,8 +16,12 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
+from app.engine.engine_stats import EngineReport
+from app.engine.interface import Core
 from app.engine.telemetry import EngineTelemetry
 from app.protocol import Chunk, ErrorChunk, GenerateRequest, Migrate, is_final
 
@@ -33,23 +38,42 @@ class StreamState:
         self.unfinished = set(range(request.index, request.index + request.n))  # choices not ended
 
 
-def describe(core) -> dict:
-    """The engine's counters and loaded adapters (run on the loop: exact, not a stale snapshot)."""
-    from adapters_store.store import AdapterStore
+# -- the inbox's messages (any thread → the loop) ------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Add:
+    stream: StreamState
+    adapter: object = None  # its LoraWeights, resolved off the loop (None: the base model, or resolve here)
+    grammar: object = None  # its compiled guide (Grammars.compile), likewise
 
-    stats = {**core.stats(), "adapters": core.adapters.names()}
-    if isinstance(core.adapters, AdapterStore):  # a simulated core (tests/simulated_engine.py) has none
-        stats["adapter_store"] = {**core.adapters.describe(), "tiers": core.adapters.tiers(core.model.lora_pool)}
-    return stats
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    fn: Callable  # fn(core, *args) → done's result
+    args: tuple
+    done: Future
+
+
+Message = Add | Abort | Call
+
+
+def report(core: Core) -> EngineReport:
+    """The engine's counters and adapters (a call run on the loop: exact, not a stale snapshot)."""
+    return core.report()
 
 
 class EngineLoop(abc.ABC):
-    def __init__(self, core, migrate_locally: bool = True):
-        """migrate_locally: a preempted request is re-queued here (front of the queue)
-        instead of ending its stream with a Migrate chunk for the caller to re-route."""
+    def __init__(self, core: Core, migrate_locally: bool = True):
+        """migrate_locally: a preempted request is re-queued by the core's scheduler (front of the
+        queue, recomputed) instead of ending its stream with a Migrate chunk for the caller to re-route."""
         self.core = core
         self.migrate_locally = migrate_locally
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        core.scheduler.requeue_preempted = migrate_locally
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._streams: dict[str, StreamState] = {}
         self._wake = threading.Event()
         self._stopped = False
@@ -70,9 +94,8 @@ class EngineLoop(abc.ABC):
         """The add of ``stream`` was taken (error None) or refused."""
 
     # -- any thread ---------------------------------------------------------------------------
-    def post(self, item) -> None:
-        """("add", stream, adapter, grammar) | ("abort", request_id) | ("call", fn, args, Future)."""
-        self._inbox.put(item)
+    def post(self, message: Message) -> None:
+        self._inbox.put(message)
         self._wake.set()
 
     def stop(self) -> None:
@@ -96,6 +119,8 @@ class EngineLoop(abc.ABC):
                 chunks = self._fail_all(exc)
             if not self.core.idle:
                 self.telemetry.step(self.core.last_batch_size, time.perf_counter() - start)
+            if self.core.last_preempted:
+                self.telemetry.preempted(self.core.last_preempted)
             self.snapshot = self.core.stats()
             for chunk in chunks:
                 self._deliver(chunk)
@@ -106,20 +131,22 @@ class EngineLoop(abc.ABC):
     def _drain_inbox(self) -> None:
         while True:
             try:
-                item = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item[0] == "add":
-                self._add(*item[1:])
-            elif item[0] == "abort":
-                for chunk in self.core.abort(item[1]):
-                    self._deliver(chunk)
-            else:
-                self._call(*item[1:])
+            match message:
+                case Add():
+                    self._add(message)
+                case Abort(request_id):
+                    for chunk in self.core.abort(request_id):
+                        self._deliver(chunk)
+                case Call(fn, args, done):
+                    self._call(fn, args, done)
 
-    def _add(self, stream: StreamState, adapter, grammar) -> None:
+    def _add(self, add: Add) -> None:
+        stream = add.stream
         try:
-            self.core.add(stream.request, adapter=adapter, grammar=grammar)
+            self.core.add(stream.request, adapter=add.adapter, grammar=add.grammar)
         except Exception as exc:
             self._accepted(stream, exc)
             return
@@ -139,22 +166,16 @@ class EngineLoop(abc.ABC):
         if stream is None:
             return
         self._record(stream, chunk)
-        if isinstance(chunk, Migrate) and self.migrate_locally and chunk.reason != "draining":
-            self.core.add(stream.request.resumed(chunk), front=True)  # that choice alone, with its seed
-            return
         if is_final(chunk):
             stream.unfinished.discard(chunk.index)
             if not stream.unfinished:
                 del self._streams[chunk.request_id]
-        if isinstance(chunk, Migrate):  # it leaves this engine unfinished
-            self.telemetry.migrated(chunk.reason)
         self._emit(stream, chunk)
 
     def _record(self, stream: StreamState, chunk: Chunk) -> None:
         t = self.telemetry
-        if isinstance(chunk, Migrate):
-            if chunk.reason == "kv_cache_exhausted":
-                t.preempted()
+        if isinstance(chunk, Migrate):  # it leaves this engine unfinished (a preemption is counted by the step)
+            t.migrated(chunk.reason)
         elif isinstance(chunk, ErrorChunk):
             t.finished("error")
         else:

@@ -24,7 +24,9 @@ from concurrent.futures import Future
 from app.engine import core_process
 from app.engine import engine_wire as wire
 from app.engine.async_engine import Callers, _Stream, relay, send_to_loops, settle
-from app.engine.engine_loop import describe
+from app.engine.engine_loop import report
+from app.engine.engine_stats import EngineReport, EngineStats
+from app.engine.telemetry import TelemetryBatch
 from app.protocol import Chunk, ErrorChunk, GenerateRequest, is_final
 
 log = logging.getLogger(__name__)
@@ -82,9 +84,9 @@ class ProcessEngine:
         except EOFError:
             self._process.join(10)
             raise RuntimeError(f"the engine process exited during start-up (code {self._process.exitcode})") from None
-        if message[0] == "failed":
+        if isinstance(message, wire.Failed):
             self._process.join(10)
-            raise RuntimeError(f"the engine failed to start in its process:\n{message[1]}")
+            raise RuntimeError(f"the engine failed to start in its process:\n{message.traceback}")
 
     @property
     def idle_since(self) -> float | None:
@@ -101,7 +103,7 @@ class ProcessEngine:
         finished = False
         self._streams[request.request_id] = stream
         try:
-            self._send(("add", request, stream.arrival))
+            self._send(wire.Submit(request, stream.arrival))
             await asyncio.wrap_future(stream.accepted)
             async for item in relay(stream):
                 yield item
@@ -117,24 +119,24 @@ class ProcessEngine:
 
     def abort(self, request_id: str) -> None:
         try:
-            self._send(("abort", request_id))
+            self._send(wire.Cancel(request_id))
         except (OSError, EngineDeadError):  # nothing runs there any more
             pass
 
     def drain(self) -> Future:
         """End every request's stream with Migrate(reason="draining"); a Future of how many."""
-        return self._call("drain")
+        return self._call(wire.Drain)
 
     def call(self, fn, *args) -> Future:
         """fn(core, *args) on the engine loop, in the child (fn pickled by reference); a Future."""
-        return self._call("call", fn, args)
+        return self._call(wire.RunCall, fn, args)
 
-    def stats(self) -> Future:
-        return self.call(describe)
+    def stats(self) -> Future[EngineReport]:
+        return self.call(report)
 
-    def metrics_sample(self):
+    def metrics_sample(self) -> tuple[EngineStats, TelemetryBatch]:
         """(the latest step's stats, the telemetry recorded since the previous sample), from the child."""
-        return self._call("sample").result(_SAMPLE_TIMEOUT_S)
+        return self._call(wire.Sample).result(_SAMPLE_TIMEOUT_S)
 
     def failure(self) -> str | None:
         return self._dead
@@ -142,7 +144,7 @@ class ProcessEngine:
     def shutdown(self) -> None:
         self._stopping = True
         try:
-            self._send(("stop",))
+            self._send(wire.Stop())
         except (OSError, EngineDeadError):
             pass
         self._process.join(10)
@@ -151,18 +153,19 @@ class ProcessEngine:
             self._process.join(10)
 
     # -- plumbing ------------------------------------------------------------------------------
-    def _call(self, kind: str, *payload) -> Future:
+    def _call(self, kind: type, *payload) -> Future:
+        """kind(call_id, *payload) to the child; a Future of its Reply."""
         done: Future = Future()
         call_id = next(self._ids)
         self._calls[call_id] = done
         try:
-            self._send((kind, call_id, *payload))
+            self._send(kind(call_id, *payload))
         except (OSError, EngineDeadError) as exc:
             self._calls.pop(call_id, None)
             done.set_exception(EngineDeadError(self._dead or str(exc)))
         return done
 
-    def _send(self, message) -> None:
+    def _send(self, message: wire.ToEngine) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         data = wire.dumps(message)
@@ -173,15 +176,16 @@ class ProcessEngine:
         """The child's messages, in order, until its pipe closes."""
         while True:
             try:
-                message = wire.loads(self._conn.recv_bytes())
+                message: wire.FromEngine = wire.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
                 return self._died()
-            if message[0] == "step":
-                self._step(message[1], message[2])
-            else:  # ("reply", id, ok, value)
-                done = self._calls.pop(message[1], None)
-                if done is not None:
-                    done.set_result(message[3]) if message[2] else done.set_exception(wire.decode_error(message[3]))
+            match message:
+                case wire.StepOut(accepts, chunks):
+                    self._step(accepts, chunks)
+                case wire.Reply(call_id, ok, value):
+                    done = self._calls.pop(call_id, None)
+                    if done is not None:
+                        done.set_result(value) if ok else done.set_exception(wire.decode_error(value))
 
     def _step(self, accepts: list, chunks: list) -> None:
         for request_id, error in accepts:
@@ -229,14 +233,14 @@ class RemoteAdapters:
         self.engine = engine
 
     async def register(self, name: str, uri: str) -> None:
-        await asyncio.wrap_future(self.engine._call("store", "register", (name, str(uri))))
+        await asyncio.wrap_future(self.engine._call(wire.StoreCall, "register", (name, str(uri))))
 
     async def unregister(self, name: str) -> None:
-        await asyncio.wrap_future(self.engine._call("store", "unregister", (name,)))
+        await asyncio.wrap_future(self.engine._call(wire.StoreCall, "unregister", (name,)))
 
     async def load(self, name: str) -> None:
         """Into the child's host memory (validated); the weights stay there."""
-        await asyncio.wrap_future(self.engine._call("store", "load", (name,)))
+        await asyncio.wrap_future(self.engine._call(wire.StoreCall, "load", (name,)))
 
     async def version(self, name: str) -> str | None:
-        return await asyncio.wrap_future(self.engine._call("store", "version", (name,)))
+        return await asyncio.wrap_future(self.engine._call(wire.StoreCall, "version", (name,)))

@@ -19,8 +19,9 @@ from app.engine.sequence import Sequence
 
 
 def wanted(seq: Sequence) -> bool:
-    """A request resumed after tokens were relayed got its prompt logprobs on its first stream."""
-    return seq.params.prompt_logprobs is not None and not seq.request.resume_token_ids
+    """Until its first output token: a request resumed (or requeued) after tokens were relayed got its
+    prompt logprobs with its first chunk."""
+    return seq.params.prompt_logprobs is not None and not seq.output_ids
 
 
 @dataclasses.dataclass

@@ -1,6 +1,8 @@
 """Continuous batching: FCFS admission bounded by batch size, tokens per step,
 free KV blocks and adapter slots; preempt the newest request when KV runs out (cached
-prefix blocks count as free: they are evicted first). A request admitted with a cached
+prefix blocks count as free: they are evicted first). A preempted request goes back to the
+front of the waiting queue to be recomputed (``requeue_preempted``: a lone replica, nowhere to
+move it; nano-vllm's ``preempt()``), else leaves in ``Schedule.preempted`` to move elsewhere. A request admitted with a cached
 prefix (app/engine/prefix_cache.py) starts with those blocks, its prefill after them.
 A request whose adapter finds every slot pinned waits without blocking others,
 until it has waited MAX_SLOT_WAIT_STEPS schedules (aging, see ``_starving``).
@@ -28,7 +30,8 @@ from app.engine.step_tokens import StepTokens
 @dataclass
 class Schedule:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # to move elsewhere (their KV is freed)
+    requeued: list[Sequence] = field(default_factory=list)  # preempted, back at the waiting queue's front
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # (sequence, why): its adapter would not load
 
 
@@ -51,6 +54,7 @@ class Scheduler:
         self.allocator = allocator
         self.pool = pool
         self.prefix = prefix
+        self.requeue_preempted = False  # True: a preempted request waits here to be recomputed
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self._clock = 0  # schedules so far
@@ -136,7 +140,11 @@ class Scheduler:
         self.running.remove(seq)
         out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
         self.free(seq)
-        out.preempted.append(seq)
+        if self.requeue_preempted:  # its tokens so far stay: recomputed as one prefill when it is re-admitted
+            self.waiting.appendleft(seq)
+            out.requeued.append(seq)
+        else:
+            out.preempted.append(seq)
 
     def _admit(self, out: Schedule, budget: int) -> None:
         """FCFS; a request whose adapter has no free slot, or is still being copied, waits

@@ -52,9 +52,9 @@ class EngineTelemetry:
             if gap is not None:
                 self._batch.tpot_seconds.append(gap)
 
-    def preempted(self) -> None:
+    def preempted(self, n: int = 1) -> None:
         with self._lock:
-            self._batch.preemptions += 1
+            self._batch.preemptions += n
 
     def migrated(self, reason: str) -> None:
         with self._lock:

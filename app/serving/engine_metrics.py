@@ -27,6 +27,7 @@ import logging
 import threading
 from collections import Counter
 
+from app.engine.engine_stats import EngineStats
 from app.engine.telemetry import TelemetryBatch
 
 log = logging.getLogger("ray.serve")
@@ -141,21 +142,22 @@ class EngineMetrics:
 
     def publish(self) -> None:
         s, batch = self.engine.metrics_sample()  # from the engine process, if it has one
-        self.running.set(s["running"])
-        self.waiting.set(s["waiting"])
-        self.kv_used.set(s["total_kv_blocks"] - s["free_kv_blocks"])
-        self.kv_total.set(s["total_kv_blocks"])
-        self.kv_free.set(s["free_kv_blocks"])
-        self.kv_cached.set(s.get("cached_kv_blocks", 0))
-        if "kv_cache" in s:  # the start-up's KV plan (app/engine/kv_sizing.py)
-            self.kv_bytes.set(s["kv_cache"]["bytes"])
+        self.running.set(s.running)
+        self.waiting.set(s.waiting)
+        self.kv_used.set(s.total_kv_blocks - s.free_kv_blocks)
+        self.kv_total.set(s.total_kv_blocks)
+        self.kv_free.set(s.free_kv_blocks)
+        self.kv_cached.set(s.cached_kv_blocks)
+        if s.kv_cache is not None:  # the start-up's KV plan (app/engine/kv_sizing.py)
+            self.kv_bytes.set(s.kv_cache["bytes"])
         self._publish(batch)
         self._publish_prefix(s)
 
-    def _publish_prefix(self, s: dict) -> None:
+    def _publish_prefix(self, s: EngineStats) -> None:
+        totals = {"prefix_hit_tokens": s.prefix_hit_tokens, "prefix_query_tokens": s.prefix_query_tokens}
         for key, counter in self.prefix.items():
             seen = self._prefix_seen[key]
-            for adapter, total in s.get(key, {}).items():
+            for adapter, total in totals[key].items():
                 if total > seen[adapter]:
                     counter.inc(total - seen[adapter], tags={"adapter": self.adapters.of(adapter or BASE_MODEL_LABEL)})
                     seen[adapter] = total

@@ -22,6 +22,8 @@ from ray import serve
 from adapters_store.store import StoreConfig
 from app.engine.async_engine import build_async_engine
 from app.engine.config import EngineConfig
+from app.engine.engine_stats import EngineStats
+from app.engine.interface import Engine
 from app.engine.startup import StartupError, startup_cause
 from app.errors import AdapterNotFoundError, LoraplexError
 from app.protocol import Accepted, Chunk, GenerateRequest, Migrate
@@ -41,7 +43,7 @@ class ReplicaSettings:
     store: StoreConfig = StoreConfig()  # adapter tiers' budgets and the on-demand source
 
 
-def start_engine(settings: ReplicaSettings, engine_factory: Callable, on_death: Callable[[str], None]):
+def start_engine(settings: ReplicaSettings, engine_factory: Callable, on_death: Callable[[str], None]) -> Engine:
     """The replica's engine: engine_factory(settings) in this process, or, with
     ``engine.engine_process``, in a child process of its own (app/engine/process_engine.py)."""
     if not settings.engine.engine_process:
@@ -67,7 +69,7 @@ class LoraReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.block_size = settings.engine.block_size
         try:
-            self.engine = start_engine(settings, engine_factory, _engine_died)
+            self.engine: Engine = start_engine(settings, engine_factory, _engine_died)
         except Exception as exc:  # a cause the config or the hardware gives is one line, not a chain
             cause = startup_cause(exc)
             if cause is None:
@@ -124,8 +126,12 @@ class LoraReplica:
         return await self.store.version(name)
 
     async def stats(self) -> dict:
-        """The engine's counters and loaded adapters, read on its own thread (exact, not a stale snapshot)."""
-        return await asyncio.wrap_future(self.engine.stats())
+        """The engine's counters and adapters, read on its own thread (exact, not a stale snapshot),
+        in JSON form (app/engine/engine_stats.py EngineReport.to_dict): the ingress and tests read it."""
+        return (await asyncio.wrap_future(self.engine.stats())).to_dict()
+
+    async def _counters(self) -> EngineStats:
+        return (await asyncio.wrap_future(self.engine.stats())).stats
 
     async def routing_stats(self) -> ReplicaStats:
         now = time.time()
@@ -134,22 +140,22 @@ class LoraReplica:
                 window.popleft()
         # taken before the engine's counts
         held, arrivals, departures = self.held, tuple(k for _, k in self.arrivals), tuple(k for _, k in self.departures)
-        s = await self.stats()
+        s = await self._counters()
         return ReplicaStats(
-            running=s["running"],
-            waiting=s["waiting"],
-            max_batch=s["max_batch"],
-            free_kv_blocks=s["free_kv_blocks"],
-            total_kv_blocks=s["total_kv_blocks"],
+            running=s.running,
+            waiting=s.waiting,
+            max_batch=s.max_batch,
+            free_kv_blocks=s.free_kv_blocks,
+            total_kv_blocks=s.total_kv_blocks,
             block_size=self.block_size,
-            resident_adapters=tuple(s["resident_adapters"]),
+            resident_adapters=s.resident_adapters,
             draining=self.draining,
             started_at=self.started_at,
             reported_at=now,
             held=held,
             arrivals=arrivals,
             arrivals_since=now - ARRIVALS_WINDOW_S,
-            prefix_heads=tuple(s.get("prefix_heads", ())),
+            prefix_heads=s.prefix_heads,
             departures=departures,
         )
 
@@ -167,13 +173,13 @@ class LoraReplica:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve pushes this to the autoscaling policy (cluster/autoscaling.py) every
         `metrics_interval_s`; idle_since is the wall time the last request left (0 while busy)."""
-        s = await self.stats()
+        s = await self._counters()
         return {
-            "running": s["running"],
-            "waiting": s["waiting"],
-            "max_batch": s["max_batch"],
-            "free_kv_blocks": s["free_kv_blocks"],
-            "total_kv_blocks": s["total_kv_blocks"],
+            "running": s.running,
+            "waiting": s.waiting,
+            "max_batch": s.max_batch,
+            "free_kv_blocks": s.free_kv_blocks,
+            "total_kv_blocks": s.total_kv_blocks,
             "idle_since": self.engine.idle_since or 0.0,
             "draining": float(self.draining),
             "started_at": self.started_at,

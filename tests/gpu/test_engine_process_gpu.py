@@ -98,11 +98,11 @@ def test_the_engine_process_on_cuda_generates_what_the_in_process_engine_does(mo
     child = ProcessEngine(build_async_engine, settings)
     try:
         got = asyncio.run(each_alone(child))
-        stats = child.stats().result(DEADLINE_S)
+        stats = child.stats().result(DEADLINE_S).stats
     finally:
         child.shutdown()
     assert got == want
-    assert "a1" in stats["resident_adapters"]
+    assert "a1" in stats.resident_adapters
 
 
 def _alive(pid: int) -> bool:
