@@ -48,12 +48,14 @@ def test_what_has_no_fixed_order_path_is_refused(extra, named):
         parse_args(args, "m")
     assert f"deterministic: not with {named}" in str(err.value) and "Traceback" not in str(err.value)
     assert parse_args({"deterministic": True}, "m").engine.deterministic
+    assert parse_args({"deterministic": True, "dtype": "float64"}, "m").engine.dtype == torch.float64
     assert not parse_args({}, "m").engine.deterministic
 
 
-def test_fixed_gemm_rows_do_not_depend_on_the_rows_beside_them():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fixed_gemm_rows_do_not_depend_on_the_rows_beside_them(dtype):
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(37, 96, generator=g), torch.randn(80, 96, generator=g)
+    x, w = torch.randn(37, 96, generator=g, dtype=dtype), torch.randn(80, 96, generator=g, dtype=dtype)
     with fixed_order.using(fixed_order.fixed("cpu")):
         full = linear(x, w)
         for rows in ([5], [0, 1, 2], list(range(36, 3, -1)), list(range(20))):
