@@ -13,8 +13,8 @@ Fixed orders, per op (each one's module says how):
   sees one shape whatever M is (ops/fixed_gemm.py).
 - attention `per_row`: every query row, prefill or decode, reduces over its own context alone in
   a fixed order (CUDA: the decode kernel, one split; elsewhere chunked torch: ops/fixed_attention.py).
-- lora `fixed_split`: SGMV with one cluster width / split-K and no rank groups (CUDA), the add-on's
-  two products as fixed-tile GEMMs elsewhere (ops/lora.py).
+- lora `fixed_split`: SGMV at one kernel shape whatever the batch (CUDA sm_90: ops/lora.py
+  FIXED_SGMV), the add-on's two products as fixed-tile GEMMs elsewhere.
 - sampler `per_row`: already a function of the row's logits and seed (ops/sampling.py).
 """
 

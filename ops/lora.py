@@ -38,8 +38,8 @@ def add_lora(y, x, slices, indptr, ranks, scales, host_segments=None):
     if x.is_cuda:
         from ops.sgmv import add_lora_sliced
 
-        if fixed:  # one cluster width, no rank groups: a row's sums do not depend on the grid
-            return add_lora_sliced(y, x, slices, indptr, ranks, scales, split=fixed_split(x.device), warps=4, groups=1)
+        if fixed:  # one kernel shape whatever the batch: FIXED_SGMV
+            return add_lora_sliced(y, x, slices, indptr, ranks, scales, **FIXED_SGMV)
         return add_lora_sliced(y, x, slices, indptr, ranks, scales)
     if fixed:
         return _add_fixed(y, x, slices, indptr, ranks, scales, host_segments, current().gemm_tile_rows)
@@ -53,14 +53,25 @@ def add_lora(y, x, slices, indptr, ranks, scales, host_segments=None):
     return y
 
 
-def fixed_split(device) -> int:
-    """SGMV's split-K width on the fixed path: clusters of 8 on sm_90 (a width the defaults use, so
-    warm_up compiled it), 1 before it (split-K there waits on peer blocks the GPU must hold at once,
-    so the defaults drop to 1 on large grids: a width that changed with the batch)."""
-    from ops.sgmv import _arch
+# The SGMV launch of the fixed-order path (sm_90 only; app/engine/determinism.py refuses older GPUs).
+# A row's shrink sums over k in an order set by the kernel's template: the cluster width (split-K),
+# the warps per block and the k-steps each warp takes, which follow the rows per item (32-row
+# items from 256 tokens on) and, in 4-warp blocks at rank tile 16, whether an item has <= 8 rows.
+# Fixed here: clusters of 8, 8-warp blocks (no <= 8-row variant), 16-row items, no rank groups.
+# Before sm_90 the <= 8-row variant runs in every block (4 warps only): no fixed order.
+FIXED_SGMV = dict(split=8, warps=8, groups=1, small_items=True)
+
+
+def prepare_fixed(dtype, max_rank: int, device) -> None:
+    """Compile and load the fixed path's SGMV kernels now (not at a first use mid-capture)."""
+    from ops import sgmv
 
     index = torch.device(device).index
-    return 8 if _arch(torch.cuda.current_device() if index is None else index) >= 90 else 1
+    index = torch.cuda.current_device() if index is None else index
+    arch = sgmv._arch(index)
+    for sliced in (False, True):
+        name = sgmv.kernel_name(sgmv.FUSED, dtype, max_rank, 1, arch, 8, 8, sliced)[0]
+        sgmv._function(name, index)
 
 
 def _add_fixed(y, x, slices, indptr, ranks, scales, host_segments, tile: int):

@@ -154,15 +154,18 @@ def launch_plan(
     warps=None,
     groups=None,
     more=(),
+    small_items=False,
 ) -> Plan | None:
     """The launch of one call, or None when there is nothing to do; split / warps / groups None:
     the measured defaults (forced by the benchmark and the tests); more: the slices after
-    the first of a sliced add-on (FUSED; the first is A, B, slot_ids, y_offset)."""
+    the first of a sliced add-on (FUSED; the first is A, B, slot_ids, y_offset); small_items:
+    16-row items whatever the token count (the fixed-order path: 32-row items split k otherwise)."""
     pool = A if A is not None else B
     dev, arch, nseg, max_rank = pool.device, _arch(pool.device.index), slot_ids.numel(), pool.shape[1]
     if nseg == 0 or tokens == 0:
         return None
-    rows = kernel_name(mode, pool.dtype, max_rank, tokens, arch)[2]
+    tile_tokens = 1 if small_items else tokens  # kernel_name reads tokens only to pick the item rows
+    rows = kernel_name(mode, pool.dtype, max_rank, tile_tokens, arch)[2]
     items = nseg + (tokens + rows - 1) // rows - 1  # per slice: kernels/segments.cuh
     total = items * (1 + len(more))
     shape = (
@@ -179,11 +182,13 @@ def launch_plan(
     exchange = mode == FUSED and arch < 90
     if exchange and total * split > GX_PER_SM[rows] * _sm_count(dev.index):
         split = 1  # forced: not past what the GPU holds at once, or peers could wait on unscheduled blocks
-    name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps, bool(more), groups)
+    name, split, rows, warps = kernel_name(
+        mode, pool.dtype, max_rank, tile_tokens, arch, split, warps, bool(more), groups
+    )
     if groups > 1 and total * groups > _clusters_at_once(name, dev.index, split, 32 * warps):
         # the clusters of an item wait for each other: never past what the GPU holds at once
         groups = 1
-        name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tokens, arch, split, warps, bool(more))
+        name, split, rows, warps = kernel_name(mode, pool.dtype, max_rank, tile_tokens, arch, split, warps, bool(more))
     xpart, xcount = _exchange_workspace(dev.index) if (exchange and split > 1) or groups > 1 else (None, None)
     args = _Args(
         x=_ptr(x),
@@ -276,7 +281,23 @@ def sgmv_expand(y, v, B, indptr, slot_ids, ranks, scales, y_offset=0):
     return y
 
 
-def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *, split=None, warps=None, groups=None):
+def add_lora(
+    y,
+    x,
+    A,
+    B,
+    indptr,
+    slot_ids,
+    ranks,
+    scales,
+    y_offset=0,
+    v=None,
+    *,
+    split=None,
+    warps=None,
+    groups=None,
+    small_items=False,
+):
     """y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T @ B[slot_i, :r_i].
 
     The whole LoRA add-on in one launch: a cluster of 16, 8 or 4 blocks (by grid
@@ -316,11 +337,12 @@ def add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=0, v=None, *,
         split=split,
         warps=warps,
         groups=groups,
+        small_items=small_items,
     )
     return y
 
 
-def add_lora_sliced(y, x, slices, indptr, ranks, scales, *, split=None, warps=None, groups=None):
+def add_lora_sliced(y, x, slices, indptr, ranks, scales, *, split=None, warps=None, groups=None, small_items=False):
     """add_lora for every slice (A, B, slot_ids, y_offset) of a fused projection, in one launch.
 
     For each slice: y[s_i:s_{i+1}, off:off+h_out] += scale_i * x[s_i:s_{i+1}] @ A[slot_i, :r_i].T
@@ -337,7 +359,19 @@ def add_lora_sliced(y, x, slices, indptr, ranks, scales, *, split=None, warps=No
     if len(slices) == 1 or not x.is_cuda:
         for s in slices:
             add_lora(
-                y, x, s.A, s.B, indptr, s.slot_ids, ranks, scales, s.y_offset, split=split, warps=warps, groups=groups
+                y,
+                x,
+                s.A,
+                s.B,
+                indptr,
+                s.slot_ids,
+                ranks,
+                scales,
+                s.y_offset,
+                split=split,
+                warps=warps,
+                groups=groups,
+                small_items=small_items,
             )
         return y
     for s in slices:
@@ -361,5 +395,6 @@ def add_lora_sliced(y, x, slices, indptr, ranks, scales, *, split=None, warps=No
         warps=warps,
         groups=groups,
         more=tuple(slices[1:]),
+        small_items=small_items,
     )
     return y

@@ -16,6 +16,7 @@ import torch
 
 from ops import fixed_order, paged_decode
 from ops.fixed_order import Paths
+from ops.lora import prepare_fixed
 
 if TYPE_CHECKING:
     from app.engine.config import EngineConfig
@@ -64,7 +65,14 @@ def apply(model, config: EngineConfig) -> Paths:
     if why is not None:
         raise ValueError(why)
     if torch.device(config.device).type == "cuda":
+        index = torch.device(config.device).index
+        major, _ = torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)
+        if major < 9:  # ops/lora.py FIXED_SGMV: before sm_90 the SGMV's k order follows the item's rows
+            raise ValueError("deterministic: needs an sm_90 GPU or newer (SGMV has no fixed-order path before it)")
         fixed_order.pin_cuda_workspace()
+        if model.lora_pool is not None:
+            pool = model.lora_pool.config
+            prepare_fixed(pool.dtype, pool.max_rank, pool.device)
     model.paths = paths
     return paths
 

@@ -137,15 +137,16 @@ def test_fixed_attention_prefill_rows_equal_decode_rows():
 
 
 def test_fixed_sgmv_rows_are_independent_of_the_grid():
-    """One adapter's rows alone, among 40 one-row segments of other adapters, and in a 300-row step
-    (past the 256-token switch to 32-row items): the same bits on the fixed path."""
+    """A row of one adapter alone, in a 12-row segment of its adapter (past the <= 8-row variant of
+    rank tile 16), there among 39 one-row segments of others, and in a 300-token step (past the
+    256-token switch to 32-row items): the same bits on the fixed path (ops/lora.py FIXED_SGMV)."""
     g = torch.Generator(device="cuda").manual_seed(2)
     slots, rank, h_in, h_out = 8, 16, 1024, 1024
     A = (torch.randn(slots, rank, h_in, device="cuda", generator=g) * 0.05).half()
     B = (torch.randn(slots, rank, h_out, device="cuda", generator=g) * 0.05).half()
     ranks = torch.full((slots,), rank, dtype=torch.int32, device="cuda")
     scales = torch.ones(slots, device="cuda")
-    x = torch.randn(300, h_in, device="cuda", generator=g).half()
+    x = torch.randn(400, h_in, device="cuda", generator=g).half()
     i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
 
     def run(indptr, slot_ids, rows):
@@ -154,11 +155,12 @@ def test_fixed_sgmv_rows_are_independent_of_the_grid():
             add_lora(y, x[rows], [LoraSlice(A, B, i32(slot_ids), 0)], i32(indptr), ranks, scales)
         return y
 
-    target = list(range(5))  # 5 rows of slot 3
-    alone = run([0, 5], [3], target)
-    mixed = run([*range(40), 44], [i % slots for i in range(39)] + [3], list(range(100, 139)) + target)[-5:]
-    big = run([0, 295, 300], [1, 3], list(range(100, 395)) + target)[-5:]
-    assert torch.equal(mixed, alone) and torch.equal(big, alone)
+    alone = run([0, 1], [3], [0])
+    in12 = run([0, 12], [3], [0, *range(100, 111)])[:1]
+    among = run([*range(40), 51], [i % slots for i in range(39)] + [3], [*range(200, 239), 0, *range(100, 111)])[39:40]
+    big = run([0, 300], [3], [0, *range(100, 399)])[:1]
+    for name, got in (("12-row segment", in12), ("among others", among), ("300 tokens", big)):
+        assert torch.equal(got, alone), name
 
 
 @pytest.mark.skipif(
