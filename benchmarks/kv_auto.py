@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.serve_throughput import word_tokenizer  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
+SERVE_CLI = "import sys; from ray.serve.scripts import cli; sys.exit(cli())"  # `serve`, where no script is installed
 SHAPES = {
     "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=32, model_type="llama"),
@@ -316,7 +317,7 @@ def serve_once(name: str, tiny: bool) -> None:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
     start = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(["serve", "run", str(path)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-c", SERVE_CLI, "run", str(path)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
     url, healthy, answer = "http://127.0.0.1:8000", None, None
     try:
