@@ -125,6 +125,7 @@ def decide(
     in Serve's order (Ray stops the last first). ``state`` (mutated) keeps when waiting and a
     shortfall began, the demand's recent history, and which replicas were released when.
     ``unreported``: running replicas with no report yet (just started: the newest, with room)."""
+    seen = _first_seen(state, loads, now)  # every call: a replica is seen from its first report
     live = [r for r in loads if not r.draining]
     # Requests queued at the router count only beyond the room the replicas report (the router
     # may hold a request a moment on a stale report); queued is Ray's mean over
@@ -165,9 +166,28 @@ def decide(
             why,
             f"demand {demand:.2f} replicas wants {wanted} ({level} now at {cfg.high_water:.0%}), {serving} serving",
         )
-    if held or waiting or current != target or unreported:
+    # any request queued in the look-back window (not only a rounded one) holds a release: it
+    # waits for a replica, maybe one that has just started and reported idle before it came
+    if queued > 0 or waiting or current != target or unreported:
         return Decision(target, "hold", "busy or replicas starting/stopping")
-    return _release_idle(now, target, live, max(min_replicas, _recent_peak(now, cfg, state)), cfg, state)
+    floor = max(min_replicas, _recent_peak(now, cfg, state))
+    return _release_idle(now, target, live, floor, cfg, state, seen)
+
+
+def _first_seen(state: dict, loads: list[ReplicaLoad], now: float) -> dict[str, float]:
+    """When the policy first saw each replica report. A new replica's idle clock starts at its
+    construction, and the requests it was started for reach it only after Serve lists it as
+    running and the handles learn of it (seconds under load): its idle time counts from here.
+    Replicas already there at the policy's first call count as seen long ago."""
+    before = state.get("seen")
+    seen = {r.replica: (before or {}).get(r.replica, now if before is not None else 0.0) for r in loads}
+    state["seen"] = seen
+    return seen
+
+
+def idle_for(r: ReplicaLoad, now: float, seen: dict[str, float]) -> float:
+    """How long ``r`` has held nothing, counted from no earlier than the policy first saw it."""
+    return min(r.idle_for(now), now - seen.get(r.replica, now))
 
 
 def _wanted(now: float, demand: float, cfg: PolicyConfig, state: dict) -> tuple[int, int]:
@@ -213,14 +233,15 @@ def _recent_peak(now: float, cfg: PolicyConfig, state: dict) -> int:
 
 
 def _release_idle(
-    now: float, target: int, live: list[ReplicaLoad], floor: int, cfg: PolicyConfig, state: dict
+    now: float, target: int, live: list[ReplicaLoad], floor: int, cfg: PolicyConfig, state: dict, seen: dict
 ) -> Decision:
     """Down by the replicas at the newest end (the ones Ray stops) idle for the delay, never
     below ``floor``. An idle replica behind a busy newer one stays: Ray would stop the busy
     one; the router feeds the newest only when no other has room, so it empties soon."""
     released = _recent(state, "released", now, cfg)  # Serve may list a replica it stops as running
     newest_first = [r for r in reversed(live) if r.replica not in released]
-    count = next((i for i, r in enumerate(newest_first) if r.idle_for(now) < cfg.downscale_delay_s), len(newest_first))
+    idle = [idle_for(r, now, seen) for r in newest_first]
+    count = next((i for i, t in enumerate(idle) if t < cfg.downscale_delay_s), len(newest_first))
     # Ray scales to zero only from one (autoscaling_policy._apply_delay_logic turns 3 -> 0 into
     # 3 -> 1): asked for 0 from more, it keeps the oldest, which `released` would then hide for
     # release_grace_s. So down to one first; the oldest goes on the next decision once Serve has

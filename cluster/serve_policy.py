@@ -34,7 +34,7 @@ class ConsolidatingPolicy:
     """Ray Serve's class-callable policy form: instantiated once in the controller with
     the autoscaling config's `policy_kwargs`, then called with an AutoscalingContext."""
 
-    STATE = ("waiting_since", "short_since", "released", "demand", "wanted")
+    STATE = ("waiting_since", "short_since", "released", "demand", "wanted", "seen")
 
     def __init__(self, upscale_delay_s: float = 1.0, downscale_delay_s: float = 30.0, **kwargs):
         self.cfg = PolicyConfig(upscale_delay_s, downscale_delay_s, **kwargs)

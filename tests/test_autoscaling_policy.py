@@ -174,6 +174,19 @@ def test_to_zero_from_several_replicas_through_one_as_ray_allows():
     assert (d.reason, d.target, d.going) == ("idle", 0, ("a",))
 
 
+def test_a_replica_started_from_zero_is_not_released_before_the_request_it_was_started_for_reaches_it():
+    # Seen live under a CPU hog: the replica's idle clock starts in its constructor (at 5); Serve
+    # lists it running at 40, its report says idle for 35 s, the request waiting for it has just
+    # left the handle's queue (Ray's mean falls below 0.5) and has not reached it yet
+    state = {}
+    assert decide(1.0, 0, 0, [], 1.0, 0, 8, CFG, state).reason == "cold_start"
+    fresh = [load("a", idle_since=5.0)]
+    assert decide(40.0, 1, 1, fresh, 0.4, 0, 8, CFG, state).target == 1  # a request was queued in the window
+    assert decide(41.0, 1, 1, fresh, 0.0, 0, 8, CFG, state).target == 1  # idle 1 s since Serve listed it
+    d = decide(50.0, 1, 1, fresh, 0.0, 0, 8, CFG, state)  # still nothing after the delay: it goes
+    assert (d.reason, d.target, d.going) == ("idle", 0, ("a",))
+
+
 def test_no_scale_down_while_requests_wait_or_replicas_start_or_stop():
     idle = [load("a", running=8), load("b", idle_since=1.0)]
     assert decide(50.0, 2, 2, idle, 1, 0, 8, CFG, {}).target == 2  # something waits: b will get it
