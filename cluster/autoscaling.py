@@ -18,7 +18,8 @@ policy keeps a short history of it in `state`. Decisions (`decide`, a pure funct
   `upscale_delay_s`: room before it is needed, since a replica takes seconds (CPU) to a
   minute (GPU) to start;
 - down, only by the newest replicas (the ones Ray stops) that have held no request for
-  `downscale_delay_s`, and only while the demand of that whole window fits the rest; to zero
+  `downscale_delay_s` (counted from the policy's first sight of each), only while the demand of
+  that whole window fits the rest and no request was queued in the look-back window; to zero
   through one (Ray scales to zero only from one replica);
 - otherwise hold. Every change is logged with its reason and counted in metrics.
 
