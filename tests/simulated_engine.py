@@ -173,16 +173,7 @@ class SimulatedCore:
         self.scheduler.remove(seq)
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            max_batch=self.config.max_num_seqs,
-            free_kv_blocks=self.allocator.num_free,
-            total_kv_blocks=self.allocator.num_blocks,
-            steps=self.steps,
-            max_batch_seen=self.max_batch_seen,
-            preemptions=self.preemptions,
-        )
+        return self.scheduler.stats(steps=self.steps, max_batch_seen=self.max_batch_seen, preemptions=self.preemptions)
 
     def report(self) -> EngineReport:
         return EngineReport(self.stats(), tuple(self.adapters.names()))

@@ -226,18 +226,12 @@ class EngineCore:
     # -- introspection ------------------------------------------------------------
     def stats(self) -> EngineStats:
         pool = self.model.lora_pool
-        return EngineStats(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            max_batch=self.config.max_num_seqs,
-            free_kv_blocks=self.allocator.num_free,
-            total_kv_blocks=self.allocator.num_blocks,
+        return self.scheduler.stats(
             resident_adapters=tuple(name for name, _ in pool.resident()) if pool else (),
             steps=self.steps,
             max_batch_seen=self.max_batch_seen,
             tokens_computed=self.tokens_computed,
             preemptions=self.preemptions,
-            cached_kv_blocks=self.allocator.num_cached,
             prefix_hit_tokens=dict(self.prefix.hit_tokens),
             prefix_query_tokens=dict(self.prefix.query_tokens),
             prefix_heads=tuple(self.prefix.recent_heads()),

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from app.engine.config import EngineConfig
+from app.engine.engine_stats import EngineStats
 from app.engine.kv_cache import BlockAllocator
 from app.engine.prefix_cache import PrefixCache
 from app.engine.sequence import Sequence
@@ -75,6 +76,18 @@ class Scheduler:
                 budget -= n
         self._admit(out, budget)
         return out
+
+    def stats(self, **counters) -> EngineStats:
+        """The queues' and KV cache's counts, with the engine's own ``counters`` (EngineStats fields)."""
+        return EngineStats(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            max_batch=self.config.max_num_seqs,
+            free_kv_blocks=self.allocator.num_free,
+            total_kv_blocks=self.allocator.num_blocks,
+            cached_kv_blocks=self.allocator.num_cached,
+            **counters,
+        )
 
     def remove(self, seq: Sequence) -> None:
         """Take a request out of the running or waiting queue and free what it holds."""
