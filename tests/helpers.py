@@ -83,21 +83,28 @@ def hf_greedy(
     model_dir: Path, adapter_dir: Path | None, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False
 ) -> list[int]:
     """Greedy tokens from HF transformers (+ PEFT), one model per (checkpoint, adapter)."""
+    return hf_greedy_batch(model_dir, adapter_dir, [prompt], max_new_tokens, ignore_eos)[0]
+
+
+def hf_greedy_batch(
+    model_dir: Path, adapter_dir: Path | None, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False
+) -> list[list[int]]:
+    """hf_greedy for several prompts in one HF generate call, left-padded under an attention
+    mask (HF's own batched path: one call instead of one per prompt)."""
     model = _hf_model(Path(model_dir), adapter_dir and Path(adapter_dir))
     eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None if ignore_eos else eos
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])  # [B, width]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     try:
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
+                ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
             )
     finally:
         model.generation_config.eos_token_id = eos
-    return out[0, len(prompt) :].tolist()
+    return [row[width:].tolist() for row in out]  # [B, max_new_tokens] (shorter rows: none, eos off or not reached)
 
 
 def run_to_completion(engine, requests: dict[int, list[GenerateRequest]], on_migrate=None, max_steps=10_000):

@@ -100,10 +100,11 @@ def test_a_tenant_lands_where_its_prefix_is_warm_while_that_replica_has_room(pac
     from ray import serve
 
     from tests.app_fixtures import wait_for
-    from tests.cluster_fixtures import replica_ids, replica_report, router_reports
+    from tests.cluster_fixtures import replica_ids, replica_report, router_order, router_reports
 
     handle = serve.get_deployment_handle("LoraReplica", APP).options(stream=True).generate
-    order = sorted(replica_ids(APP), key=lambda r: replica_report(APP, r).started_at)  # oldest first
+    assert wait_for(lambda: sorted(router_order(APP)) == replica_ids(APP), timeout=60)
+    order = router_order(APP)  # Serve's running order, oldest first: the age the router ranks by
     rng = random.Random(7)
     tenant, stranger = (tuple(rng.randrange(100, 49000) for _ in range(HEAD_TOKENS + 8)) for _ in range(2))
     count = iter(range(100))
