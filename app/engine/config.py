@@ -4,8 +4,6 @@ from dataclasses import dataclass
 
 import torch
 
-from app.engine import determinism
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -43,6 +41,21 @@ class EngineConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        why = determinism.refusal(self)
+        why = self._determinism_refusal()
         if why is not None:
             raise ValueError(why)
+
+    def _determinism_refusal(self) -> str | None:
+        """Why `deterministic` cannot be honoured with the rest of this config (None: it can). Each
+        named feature runs a path with no fixed order yet (the model's own limits: determinism.py)."""
+        if not self.deterministic:
+            return None
+        if self.quantization is not None:
+            return f"deterministic: not with quantization {self.quantization!r} (its GEMM has no fixed-order path)"
+        if self.tensor_parallel_size > 1:
+            return (
+                "deterministic: not with tensor_parallel_size > 1 (the all-reduce's order depends on the message size)"
+            )
+        if self.mixed_graph_tokens > 0:
+            return "deterministic: not with mixed_graph_tokens > 0 (the graph pieces run the library's attention)"
+        return None

@@ -10,35 +10,17 @@ with the same config and GPU. Off (the default): the libraries' per-shape choice
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from app.engine.config import EngineConfig
 from ops import fixed_order, paged_decode
 from ops.fixed_order import Paths
 from ops.lora import prepare_fixed
-
-if TYPE_CHECKING:
-    from app.engine.config import EngineConfig
 
 
 def paths_for(config: EngineConfig) -> Paths:
     """The paths an engine of this config runs: fixed orders when deterministic, else the libraries'."""
     return fixed_order.fixed(config.device) if config.deterministic else fixed_order.LIBRARY
-
-
-def refusal(config: EngineConfig) -> str | None:
-    """Why `deterministic` cannot be honoured with the rest of this config (None: it can). Each
-    named feature runs a path with no fixed order yet."""
-    if not config.deterministic:
-        return None
-    if config.quantization is not None:
-        return f"deterministic: not with quantization {config.quantization!r} (its GEMM has no fixed-order path)"
-    if config.tensor_parallel_size > 1:
-        return "deterministic: not with tensor_parallel_size > 1 (the all-reduce's order depends on the message size)"
-    if config.mixed_graph_tokens > 0:
-        return "deterministic: not with mixed_graph_tokens > 0 (the graph pieces run the library's attention)"
-    return None
 
 
 def model_refusal(config: EngineConfig, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> str | None:
