@@ -9,7 +9,7 @@ Two phases, every stream checked token for token against its uninterrupted outpu
   clients disconnect mid-stream, 2 replica kills; every request must end exactly once
   (complete and identical, or cancelled by its own client), and afterwards every
   replica reports 0 running, 0 waiting and all KV blocks free.
-Replicas run the simulated engine core (tests/simulated_engine.py: the real scheduler,
+Replicas run the simulated engine core (benchmarks/simulated_engine.py: the real scheduler,
 KV accounting and preemption; a step sleeps a fixed time; tokens are a fixed function of
 prompt and position, so a resumed stream is checked exactly). The client is this
 process: a DeploymentHandle + app.openai.client_stream's ResubmittingStream, as in the ingress.
@@ -40,7 +40,7 @@ def deploy(app: str, num_kv_blocks: int):
     from app.engine.config import EngineConfig
     from app.serving.config import parse_args
     from app.serving.replica import LoraReplica, ReplicaSettings
-    from tests.simulated_engine import StepTime, simulated_engine
+    from benchmarks.simulated_engine import StepTime, simulated_engine
 
     args = {
         "max_batch_size": MAX_BATCH,
@@ -77,7 +77,7 @@ def replica_reports(app: str) -> list[dict]:
 async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float, disconnect: float, seed: int):
     from app.openai.client_stream import MigrationPolicy, ResubmittingStream
     from app.protocol import GenerateRequest, SamplingParams
-    from tests.simulated_engine import simulated_token
+    from benchmarks.simulated_engine import simulated_token
 
     live: dict[str, str] = {}  # request id → its replica now
     kills: list[str] = []

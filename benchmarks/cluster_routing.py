@@ -5,7 +5,7 @@ on 4 LoraReplica replicas, in one run.
     python benchmarks/cluster_routing.py            # two runs of the trace, ~1 min each
     python benchmarks/cluster_routing.py --plot-only
 
-Replicas run the simulated engine core (tests/simulated_engine.py: the real scheduler and
+Replicas run the simulated engine core (benchmarks/simulated_engine.py: the real scheduler and
 KV accounting, a step that sleeps the step-time model of benchmarks/diurnal_trace.py —
 the H200 roofline of Llama-2-7B from measured figures, stretched ×20 to fit two cores)
 and emit a token sequence that is a fixed function of prompt and position, so every
@@ -48,7 +48,7 @@ async def run_router(router: str, arrivals: list[float], seed: int) -> dict:
     from app.protocol import GenerateRequest, SamplingParams
     from app.serving.config import parse_args
     from app.serving.replica import LoraReplica, ReplicaSettings
-    from tests.simulated_engine import StepTime, simulated_engine, simulated_token
+    from benchmarks.simulated_engine import StepTime, simulated_engine, simulated_token
 
     app = f"routing-{router}"
     args = {

@@ -5,7 +5,7 @@
 64 requests of 128 random tokens each, every token through app/engine/detokenizer.py as the
 engine calls it (one stop string, as a request with `stop` has; none), against the
 Detokenizer that decoded the whole output every token (O(output length) per token; kept as
-the reference `FullDecode` in tests/test_detokenizer.py).
+the reference `FullDecode` below, which tests/unit/test_detokenizer.py checks against).
 Tokenizers: the 32000-word one of benchmarks/serve_throughput.py (the H200 run's) and, when
 their checkpoints are on this node, SmolLM2's and Gemma 3's. Writes
 benchmarks/results/detokenize.json: microseconds of engine-thread CPU per token.
@@ -22,10 +22,17 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from app.engine.detokenizer import Detokenizer  # noqa: E402
 from benchmarks.serve_throughput import word_tokenizer  # noqa: E402
-from tests.test_detokenizer import FullDecode  # noqa: E402
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "detokenize.json"
 REQUESTS, TOKENS = 64, 128
+
+
+class FullDecode(Detokenizer):
+    """The reference: the text of the whole output decoded every token (the same stop-string and
+    hold-back logic acts on it)."""
+
+    def _text(self, ids):
+        return self._decode(ids)
 
 
 def tokenizers() -> dict:

@@ -15,7 +15,7 @@ TTFT p99 ratio, busy releases, lost) and which of issue 50's targets it meets.
 
 Poisson arrivals at rate λ(t) = peak · sin(π t / T), adapters Zipf(1.5) over 100 names,
 each request 64 prompt tokens and 32 new ones, streamed. Up to 8 LoraReplica replicas
-(0.1 CPU each) run the simulated engine core (tests/simulated_engine.py): the real scheduler
+(0.1 CPU each) run the simulated engine core (benchmarks/simulated_engine.py): the real scheduler
 and KV accounting, and a step that sleeps the step-time model below instead of computing.
 The client is this process: a DeploymentHandle (whose router is the deployment's) and
 app.openai.client_stream's ResubmittingStream, as in the ingress; HTTP is left out so two cores
@@ -152,7 +152,7 @@ def simulated_replica(policy: str, extra: dict | None = None):
     """The LoraReplica deployment with the simulated engine core (the CPU run)."""
     from app.engine.config import EngineConfig
     from app.serving.replica import LoraReplica, ReplicaSettings
-    from tests.simulated_engine import StepTime, simulated_engine
+    from benchmarks.simulated_engine import StepTime, simulated_engine
 
     settings = ReplicaSettings(
         None, EngineConfig(max_num_seqs=MAX_BATCH, num_kv_blocks=512, block_size=16), (), migrate_locally=False

@@ -39,7 +39,7 @@ def make_model(root: pathlib.Path) -> tuple[pathlib.Path, dict[str, str]]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.helpers import make_random_adapter
+    from benchmarks.checkpoints import make_random_adapter
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

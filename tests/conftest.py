@@ -7,11 +7,13 @@ import torch
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
+# The tiers are folders: tests/unit (no Ray; `slow` marks real checkpoints and kernel compiles),
+# tests/serve (starts Ray or Ray Serve: marked `serve` here), tests/gpu (needs CUDA: skipped
+# without it). tests/support holds what they share. The quick loop: `pytest tests/unit -m "not slow"`.
+TIERS = ("unit", "serve", "gpu")
 
-# A test that starts Ray (directly or through a fixture) is in the `serve` tier:
-# `pytest -m "not serve"` is the quick loop. Found from the source of the test and of every
-# fixture it uses, so a new Serve test joins the tier without anyone remembering to mark it.
-# (The tests that start the `serve` CLI in a subprocess carry the marker themselves.)
+# A test in tests/unit that starts Ray (found in its source or its fixtures') fails at
+# collection, so a new Serve test cannot slip into the quick loop.
 _STARTS_RAY = re.compile(r"\b(serving|shared_serve|ray\.init|serve\.run|serve\.start|Cluster|deploy_replicas)\(")
 
 
@@ -27,7 +29,14 @@ def _starts_ray(item) -> bool:
     return False
 
 
-# Modules whose Ray differs from the session's shared one (tests/app_fixtures.py): workers with
+def _tier(item) -> str:
+    tier = item.path.parent.name
+    if tier not in TIERS:
+        raise pytest.UsageError(f"{item.nodeid}: a test lives in tests/{{{','.join(TIERS)}}}/")
+    return tier
+
+
+# Modules whose Ray differs from the session's shared one (tests/support/app_fixtures.py): workers with
 # an S3 endpoint of their own in their environment, or a Ray of their own (`serve run`, a
 # multi-node Cluster). They run last, so the other Serve modules share one Ray start.
 _OWN_RAY_LAST = ("test_adapter_source_app.py", "test_app_s3.py", "test_app_serve_run.py", "test_config_change.py")
@@ -42,15 +51,18 @@ def pytest_collection_modifyitems(config, items):
         else pytest.mark.skip(reason="needs a CUDA device (run on the device machine)")
     )
     for item in items:
-        if skip is not None and "gpu" in item.keywords:
+        tier = _tier(item)
+        if skip is not None and (tier == "gpu" or "gpu" in item.keywords):
             item.add_marker(skip)
-        if isinstance(item, pytest.Function) and _starts_ray(item):
+        if tier == "serve":
             item.add_marker(pytest.mark.serve)
+        elif tier == "unit" and isinstance(item, pytest.Function) and _starts_ray(item):
+            raise pytest.UsageError(f"{item.nodeid} starts Ray: it belongs in tests/serve/")
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from tests.helpers import make_tiny_llama
+    from tests.support.helpers import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -63,9 +75,9 @@ def default_model_dir():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The Ray the Serve modules shared (tests/app_fixtures.py) stops with the session."""
+    """The Ray the Serve modules shared (tests/support/app_fixtures.py) stops with the session."""
     import sys
 
-    fixtures = sys.modules.get("tests.app_fixtures")
+    fixtures = sys.modules.get("tests.support.app_fixtures")
     if fixtures is not None:
         fixtures.release_shared()

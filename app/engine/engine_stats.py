@@ -44,7 +44,7 @@ class EngineStats:
 @dataclass(frozen=True)
 class EngineReport:
     """The counters, the adapters registered, and the adapter store's tiers and counts (None for an
-    engine without a store: the simulated one, tests/simulated_engine.py)."""
+    engine without a store: the simulated one, benchmarks/simulated_engine.py)."""
 
     stats: EngineStats
     adapters: tuple[str, ...] = ()

@@ -1,11 +1,11 @@
 """The engine's written interface, as Ray Serve LLM writes its engine ABC: what a replica drives
 (Engine) and what the engine loop drives (Core). The real implementations and the test double
-satisfy them (tests/test_engine_interface.py checks the signatures):
+satisfy them (tests/unit/test_engine_interface.py checks the signatures):
 
 - Engine: AsyncEngine (app/engine/async_engine.py, the loop on a thread of the replica) and
   ProcessEngine (app/engine/process_engine.py, the loop in a child process).
 - Core: EngineCore (app/engine/core.py, the model) and SimulatedCore
-  (tests/simulated_engine.py: the real scheduler, no model), run by either Engine.
+  (benchmarks/simulated_engine.py: the real scheduler, no model), run by either Engine.
 """
 
 from __future__ import annotations

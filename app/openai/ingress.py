@@ -73,7 +73,7 @@ def load_model_files(model: str | None, tokenizer_loader=load_tokenizer):
 class Ingress:
     def __init__(self, settings: Settings, replica, registry, tokenizer_loader=load_tokenizer):
         """replica, registry: handles to LoraReplica and AdapterRegistry; tokenizer_loader(path)
-        → tokenizer: the seam tests use to hold a tokenization open (tests/app_fixtures.py)."""
+        → tokenizer: the seam tests use to hold a tokenization open (tests/support/app_fixtures.py)."""
         self.settings = settings
         self.tokenizer, model_config = load_model_files(settings.model, tokenizer_loader)
         if settings.chat_template is not None:  # the app's chat_template arg overrides the checkpoint's

@@ -13,7 +13,7 @@ from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.engine.sequence import Sequence
 from app.protocol import GenerateRequest, SamplingParams
-from tests.helpers import make_random_adapter, run_to_completion
+from tests.support.helpers import make_random_adapter, run_to_completion
 
 pytestmark = pytest.mark.gpu
 RANKS = [8, 16, 32, 64, 16, 8, 32, 64]  # mixed ranks, 8 adapters

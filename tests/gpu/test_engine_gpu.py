@@ -9,7 +9,7 @@ import torch
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.protocol import GenerateRequest, SamplingParams
-from tests.helpers import make_random_adapter, run_to_completion
+from tests.support.helpers import make_random_adapter, run_to_completion
 
 pytestmark = pytest.mark.gpu
 

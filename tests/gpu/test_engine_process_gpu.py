@@ -19,7 +19,7 @@ from app.engine.process_engine import ProcessEngine
 from app.protocol import GenerateRequest, SamplingParams
 from app.serving.registry import AdapterSpec
 from app.serving.replica import ReplicaSettings
-from tests.helpers import make_random_adapter
+from tests.support.helpers import make_random_adapter
 
 pytestmark = pytest.mark.gpu
 CONFIG = EngineConfig(
@@ -131,8 +131,8 @@ def test_a_replica_serves_with_its_engine_process_and_takes_it_along_when_killed
     import ray
 
     from app.builder import app_from_args
-    from tests.app_fixtures import APP, config_args, serving
-    from tests.cluster_fixtures import replica_actor, replica_ids
+    from tests.support.app_fixtures import APP, config_args, serving
+    from tests.support.cluster_fixtures import replica_actor, replica_ids
 
     args = config_args(
         model=str(model),

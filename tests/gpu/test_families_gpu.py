@@ -8,11 +8,11 @@ import torch
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from ops import paged_attention as pa
-from tests.family_fixtures import LLAMA_TARGETS, randomize_biases_and_norms
-from tests.family_precision import errors_from_fp32
 from tests.gpu.test_engine_gpu import check_mixed_batch_matches_peft
 from tests.gpu.test_paged_attention_gpu import BS, block_tables, paged_cache, prefill_rows, rel_err
-from tests.helpers import make_random_adapter
+from tests.support.family_fixtures import LLAMA_TARGETS, randomize_biases_and_norms
+from tests.support.family_precision import errors_from_fp32
+from tests.support.helpers import make_random_adapter
 
 pytestmark = pytest.mark.gpu
 

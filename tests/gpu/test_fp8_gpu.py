@@ -98,8 +98,8 @@ def test_the_engine_serves_fp8_with_adapters_under_cuda_graphs(model_dir, tmp_pa
     from adapters_store.manifest import TARGET_MODULES
     from app.engine.config import EngineConfig
     from app.engine.factory import build_engine
-    from tests.family_precision import engine_logits
-    from tests.helpers import make_random_adapter
+    from tests.support.family_precision import engine_logits
+    from tests.support.helpers import make_random_adapter
 
     adapter = {
         "a": str(make_random_adapter(model_dir, tmp_path / "a", rank=8, targets=TARGET_MODULES, alpha=2, seed=3))

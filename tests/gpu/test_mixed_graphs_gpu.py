@@ -14,7 +14,7 @@ from app.engine.factory import build_engine
 from app.engine.sequence import Sequence
 from app.protocol import GenerateRequest, SamplingParams
 from tests.gpu.test_cuda_graphs_gpu import adapter_slots, model_dir, random_kv  # noqa: F401 (fixture)
-from tests.helpers import run_to_completion
+from tests.support.helpers import run_to_completion
 
 pytestmark = pytest.mark.gpu
 

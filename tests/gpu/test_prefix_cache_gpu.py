@@ -12,7 +12,7 @@ from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.protocol import GenerateRequest, SamplingParams
 from tests.gpu.test_cuda_graphs_gpu import model_dir  # noqa: F401  (the fixture: 2 layers, 8 adapters a0..a7)
-from tests.helpers import run_to_completion
+from tests.support.helpers import run_to_completion
 
 pytestmark = pytest.mark.gpu
 NAMES = (None, "a0", "a1", "a2")

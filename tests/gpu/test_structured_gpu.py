@@ -16,8 +16,8 @@ from app.engine.factory import build_engine
 from app.engine.sampler import draw
 from app.engine.step_sampling import StepSampling
 from app.protocol import GenerateRequest, Guide, SamplingParams
+from benchmarks.random_schemas import random_schemas
 from benchmarks.structured_throughput import synthetic_tokenizer
-from tests.schema_fixtures import random_schemas
 
 pytestmark = pytest.mark.gpu
 VOCAB = 8192

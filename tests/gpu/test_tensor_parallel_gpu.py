@@ -8,7 +8,7 @@ import torch
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from tests.gpu.test_engine_gpu import ADAPTERS, check_mixed_batch_matches_peft
-from tests.helpers import make_random_adapter
+from tests.support.helpers import make_random_adapter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 VOCAB = 32000
