@@ -17,7 +17,7 @@ fp32 model), or in float64 for a float64 one, and is rounded to out's dtype once
 (CPU only) exists so that a request resumed elsewhere, its context recomputed by a prefill instead
 of decode steps, samples the tokens of the uninterrupted run: fp32 attention there moved a sampled
 draw of the tiny test model's near-uniform distribution across a token boundary (the scale-down
-test's flake, tests/test_migration_precision.py), so it is never narrowed to fp32.
+test's flake, tests/unit/test_migration_precision.py), so it is never narrowed to fp32.
 """
 
 import torch
