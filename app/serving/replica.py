@@ -172,7 +172,7 @@ class LoraReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve pushes this to the autoscaling policy (cluster/autoscaling.py) every
-        `metrics_interval_s`; idle_since is the wall time the last request left (0 while busy)."""
+        `metrics_interval_s`; idle_since is the wall time the last request left (0 while one is held)."""
         s = await self._counters()
         return {
             "running": s.running,
@@ -180,7 +180,9 @@ class LoraReplica:
             "max_batch": s.max_batch,
             "free_kv_blocks": s.free_kv_blocks,
             "total_kv_blocks": s.total_kv_blocks,
-            "idle_since": self.engine.idle_since or 0.0,
+            # a request accepted here keeps the replica busy before it reaches the engine (while the
+            # replica syncs the registry or loads its adapter): never released with it inside
+            "idle_since": 0.0 if self.held else (self.engine.idle_since or 0.0),
             "draining": float(self.draining),
             "started_at": self.started_at,
         }
