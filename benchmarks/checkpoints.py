@@ -9,28 +9,22 @@ from pathlib import Path
 import torch
 
 
-def make_tiny_chat_llama(path: Path, seed: int = 0) -> Path:
+def write_llama(path: Path, seed: int = 0, **fields) -> Path:
+    """A random Llama checkpoint of `fields` (LlamaConfig's), no special tokens, saved as safetensors."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(rms_norm_eps=1e-5, eos_token_id=None, bos_token_id=None, pad_token_id=None, **fields)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_tiny_chat_llama(path: Path, seed: int = 0) -> Path:
     from app.model.default import default_model_dir
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    write_llama(path, seed, **shape, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+                initializer_range=0.3)  # fmt: skip
     source = default_model_dir()
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (source / name).exists():

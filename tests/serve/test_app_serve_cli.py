@@ -5,14 +5,13 @@ serve_config.yaml; the replica logs the KV cache it sized; Ctrl-C stops it."""
 import os
 import shutil
 import signal
-import socket
 import subprocess
 
 import httpx
 import pytest
 
 from app.model.default import DEFAULT_MODEL_NAME as BASE
-from tests.support.app_fixtures import REPO, example_adapter_names, release_shared, wait_for
+from tests.support.app_fixtures import REPO, example_adapter_names, healthy, port_open, release_shared, wait_for
 
 pytestmark = pytest.mark.serve  # starts the `serve` CLI in a subprocess
 
@@ -20,22 +19,10 @@ COMMAND = "serve run app.builder:build_app model=null device=cpu max_batch_size=
 PORT = 8000  # Serve's default http_options.port (an import path has no config file to set it)
 
 
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def test_key_value_builder_args_start_the_default_app(tmp_path):
     assert shutil.which("serve"), "Ray's `serve` command is not on PATH (scripts/setup.sh installs it)"
     release_shared()  # the command starts a Ray of its own
-    if _port_open(PORT):
+    if port_open(PORT):
         pytest.fail(f"port {PORT} is taken: cannot run `{COMMAND}`")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -53,11 +40,11 @@ def test_key_value_builder_args_start_the_default_app(tmp_path):
     url = f"http://127.0.0.1:{PORT}"
     try:
         up = wait_for(
-            lambda: _healthy(url) or proc.poll() is not None or "failed with exception" in log.read_text(),
+            lambda: healthy(url) or proc.poll() is not None or "failed with exception" in log.read_text(),
             timeout=420,
             interval=1,
         )
-        assert up and _healthy(url), log.read_text()[-5000:]
+        assert up and healthy(url), log.read_text()[-5000:]
         models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
         assert [m["id"] for m in models] == [BASE, *example_adapter_names()]  # adapter_dirs was read as a list
         reply = httpx.post(
@@ -70,7 +57,7 @@ def test_key_value_builder_args_start_the_default_app(tmp_path):
         )
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
-        assert wait_for(lambda: not _port_open(PORT), timeout=30), "the endpoint is still up"
+        assert wait_for(lambda: not port_open(PORT), timeout=30), "the endpoint is still up"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

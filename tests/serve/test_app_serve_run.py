@@ -5,7 +5,6 @@ CTRL_C_BOUND_S with a stream open, and that stream ends (it does not hang)."""
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -15,7 +14,7 @@ import pytest
 import yaml
 
 from app.model.default import DEFAULT_MODEL_NAME as BASE
-from tests.support.app_fixtures import CONFIG, REPO, example_adapter_names, release_shared, wait_for
+from tests.support.app_fixtures import CONFIG, REPO, example_adapter_names, healthy, port_open, release_shared, wait_for
 from tests.support.error_hygiene import checked_openai
 
 pytestmark = pytest.mark.serve  # starts the `serve` CLI in a subprocess
@@ -24,25 +23,13 @@ COMMAND = "serve run serve_config.yaml"
 CTRL_C_BOUND_S = 10.0  # issue 46: Ctrl-C returns within 10 s, streams open or not
 
 
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture
 def served(tmp_path):
     """The command running in its own session (process group); yields (url, process, log path)."""
     assert shutil.which("serve"), "Ray's `serve` command is not on PATH (scripts/setup.sh installs it)"
     release_shared()  # the command starts a Ray of its own: the session's one would only take CPU
     port = yaml.safe_load(CONFIG.read_text())["http_options"]["port"]
-    if _port_open(port):
+    if port_open(port):
         pytest.fail(f"port {port} (serve_config.yaml http_options.port) is taken: cannot run `{COMMAND}`")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray, as on a clean machine
     env["RAY_USAGE_STATS_ENABLED"] = "0"  # loopback only: no usage reports
@@ -70,11 +57,11 @@ def test_readme_run_command_serves_and_stops(served):
     url, proc, log = served
     assert any(COMMAND in line for line in (REPO / "README.md").read_text().splitlines()[:12])  # the README's
     up = wait_for(
-        lambda: _healthy(url) or proc.poll() is not None or "failed with exception" in log.read_text(),
+        lambda: healthy(url) or proc.poll() is not None or "failed with exception" in log.read_text(),
         timeout=420,
         interval=1,
     )
-    assert up and _healthy(url), log.read_text()[-5000:]
+    assert up and healthy(url), log.read_text()[-5000:]
 
     client = checked_openai(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     models = [m.id for m in client.models.list().data]
@@ -92,7 +79,7 @@ def test_readme_run_command_serves_and_stops(served):
     stream.thread.join(timeout=30)
     # ended: complete, an error event, or the connection closed (Serve stops its HTTP proxy first)
     assert not stream.thread.is_alive() and stream.end, "the open stream hung after Ctrl-C"
-    assert wait_for(lambda: not _port_open(int(url.rsplit(":", 1)[1])), timeout=30), "the endpoint is still up"
+    assert wait_for(lambda: not port_open(int(url.rsplit(":", 1)[1])), timeout=30), "the endpoint is still up"
 
 
 class _OpenStream:

@@ -37,6 +37,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def healthy(url: str) -> bool:
+    """The app answers GET /health with 200."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def example_adapter_names() -> list[str]:
     from adapters_store.sources import local_adapters
     from app.generate import EXAMPLE_ADAPTERS

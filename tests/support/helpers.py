@@ -9,38 +9,16 @@ from pathlib import Path
 import torch
 
 from app.protocol import GenerateRequest, Migrate, TokenChunk
-from benchmarks.checkpoints import make_random_adapter  # noqa: F401  (the tests take it from here)
+from benchmarks.checkpoints import make_random_adapter, write_llama  # noqa: F401  (the tests take it from here)
 
 
 def make_tiny_llama(path: Path, seed: int = 0) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    return path
+    """A tiny random Llama with GQA and llama3 RoPE scaling (positions past 64 are scaled)."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}
+    rope |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    shape = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8)
+    return write_llama(path, seed, **shape, num_key_value_heads=2, max_position_embeddings=512,
+                       tie_word_embeddings=False, initializer_range=0.2, rope_parameters=rope)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4)
