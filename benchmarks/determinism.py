@@ -127,15 +127,21 @@ def throughput(model, adapters, args, device, dtype, rows, save):
         save()
 
 
-def identity(model, adapters, args, device, dtype, mode):
-    """How many of R requests are bitwise the same alone, batched and migrated."""
+def identity_requests(args, adapters) -> tuple[list, int]:
+    """The identity check's requests (every fourth on the base model, the rest over the adapters)
+    and the KV blocks that hold them all at once."""
     rng = random.Random(11)
     r = args.identity_requests
     sizes = [(rng.randint(8, 200), args.identity_new) for _ in range(r)]
     which = [None if i % 4 == 0 else i % len(adapters) for i in range(r)]
-    reqs = requests(r, sizes, which, rng, logprobs=1, prefix="i")
-    engine = make_engine(model, r, r * -(-(200 + args.identity_new) // 16) + 64, mode, device, dtype)
-    batched, _ = run(engine, reqs, adapters, waves={i: i % 5 for i in range(r)})
+    return requests(r, sizes, which, rng, logprobs=1, prefix="i"), r * -(-(200 + args.identity_new) // 16) + 64
+
+
+def identity(model, adapters, args, device, dtype, mode):
+    """How many of R requests are bitwise the same alone, batched and migrated."""
+    reqs, blocks = identity_requests(args, adapters)
+    engine = make_engine(model, len(reqs), blocks, mode, device, dtype)
+    batched, _ = run(engine, reqs, adapters, waves={i: i % 5 for i in range(len(reqs))})
     alone = {q.request_id: run(engine, [q], adapters)[0][q.request_id] for q in reqs}
     k = args.identity_new // 3
     moved = [dataclasses.replace(q, resume_token_ids=tuple(alone[q.request_id][0][:k])) for q in reqs]
@@ -151,13 +157,9 @@ def identity(model, adapters, args, device, dtype, mode):
 def instance_invariant(model, adapters, args, device, dtype, first_batched):
     """A second default-mode engine, built after ballast that shifts every later address, runs the batch."""
     ballast = [torch.empty(n, dtype=torch.uint8, device=device) for n in (1 << 20 | 272, 999_983)]
-    rng = random.Random(11)
-    r = args.identity_requests
-    sizes = [(rng.randint(8, 200), args.identity_new) for _ in range(r)]
-    which = [None if i % 4 == 0 else i % len(adapters) for i in range(r)]
-    reqs = requests(r, sizes, which, rng, logprobs=1, prefix="i")
-    engine = make_engine(model, r, r * -(-(200 + args.identity_new) // 16) + 64, False, device, dtype)
-    got, _ = run(engine, reqs, adapters, waves={i: i % 5 for i in range(r)})
+    reqs, blocks = identity_requests(args, adapters)
+    engine = make_engine(model, len(reqs), blocks, False, device, dtype)
+    got, _ = run(engine, reqs, adapters, waves={i: i % 5 for i in range(len(reqs))})
     del ballast, engine
     return got == first_batched
 
