@@ -5,13 +5,19 @@ serve_config.yaml; the replica logs the KV cache it sized; Ctrl-C stops it."""
 import os
 import shutil
 import signal
-import subprocess
 
 import httpx
 import pytest
 
 from app.model.default import DEFAULT_MODEL_NAME as BASE
-from tests.support.app_fixtures import REPO, example_adapter_names, healthy, port_open, release_shared, wait_for
+from tests.support.app_fixtures import (
+    example_adapter_names,
+    healthy,
+    port_open,
+    release_shared,
+    start_serve_cli,
+    wait_for,
+)
 
 pytestmark = pytest.mark.serve  # starts the `serve` CLI in a subprocess
 
@@ -24,19 +30,8 @@ def test_key_value_builder_args_start_the_default_app(tmp_path):
     release_shared()  # the command starts a Ray of its own
     if port_open(PORT):
         pytest.fail(f"port {PORT} is taken: cannot run `{COMMAND}`")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
     log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            COMMAND.split(),
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
+    proc = start_serve_cli(COMMAND, log)
     url = f"http://127.0.0.1:{PORT}"
     try:
         up = wait_for(

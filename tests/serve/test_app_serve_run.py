@@ -5,7 +5,6 @@ CTRL_C_BOUND_S with a stream open, and that stream ends (it does not hang)."""
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 
@@ -14,7 +13,16 @@ import pytest
 import yaml
 
 from app.model.default import DEFAULT_MODEL_NAME as BASE
-from tests.support.app_fixtures import CONFIG, REPO, example_adapter_names, healthy, port_open, release_shared, wait_for
+from tests.support.app_fixtures import (
+    CONFIG,
+    REPO,
+    example_adapter_names,
+    healthy,
+    port_open,
+    release_shared,
+    start_serve_cli,
+    wait_for,
+)
 from tests.support.error_hygiene import checked_openai
 
 pytestmark = pytest.mark.serve  # starts the `serve` CLI in a subprocess
@@ -31,20 +39,8 @@ def served(tmp_path):
     port = yaml.safe_load(CONFIG.read_text())["http_options"]["port"]
     if port_open(port):
         pytest.fail(f"port {port} (serve_config.yaml http_options.port) is taken: cannot run `{COMMAND}`")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray, as on a clean machine
-    env["RAY_USAGE_STATS_ENABLED"] = "0"  # loopback only: no usage reports
     log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        # SIGINT as in a terminal (a shell's background job inherits it ignored): Ctrl-C must work
-        proc = subprocess.Popen(
-            COMMAND.split(),
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
+    proc = start_serve_cli(COMMAND, log)
     try:
         yield f"http://127.0.0.1:{port}", proc, log
     finally:

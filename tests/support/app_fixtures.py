@@ -52,6 +52,26 @@ def healthy(url: str) -> bool:
         return False
 
 
+def start_serve_cli(command: str, log: Path):
+    """`command` (a `serve …` line) as a user starts it: a fresh local Ray (no RAY_ADDRESS), no usage
+    reports, output to ``log``, its own process group with SIGINT as in a terminal (a shell's
+    background job inherits it ignored): Ctrl-C must work. Returns the Popen."""
+    import signal
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            command.split(),
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+
+
 def example_adapter_names() -> list[str]:
     from adapters_store.sources import local_adapters
     from app.generate import EXAMPLE_ADAPTERS
