@@ -5,9 +5,14 @@ loraplex's consolidating router + consolidation-aware policy (cluster/).
     python benchmarks/diurnal_trace.py            # both traces, every arm: ~15 minutes
     python benchmarks/diurnal_trace.py --plot-only
     python benchmarks/diurnal_trace.py --time-scale 0.1 --out /tmp/d.json   # a plumbing check
+    # arms side by side, each in a process and Ray of its own on two cores of its own, then one result:
+    taskset -c 0,1 python benchmarks/diurnal_trace.py --arms diurnal:default --part a.json &
+    taskset -c 2,3 python benchmarks/diurnal_trace.py --arms diurnal:loraplex --part b.json &
+    wait; python benchmarks/diurnal_trace.py --merge a.json b.json
 
 Two traces: the diurnal one (240 s) and a ramp 2.7× as steep (90 s, the same peak). Arms:
-Ray Serve's defaults and loraplex's on both; on the steep ramp also loraplex without the
+Ray Serve's defaults and loraplex's on both; on the diurnal trace also two leaner settings
+(`high_water` 0.85; `high_water` 1 without the trend); on the steep ramp loraplex without the
 demand trend (`upscale_lead_s: 0`) and with a warm spare (`min_idle_replicas: 1`), for what
 each costs in replica-seconds. The JSON ends with a `summary`: the loraplex arm on the diurnal
 trace against Ray's defaults (replica-seconds ratio, share of replica-time at batch 0 or full,
@@ -41,6 +46,7 @@ import datetime
 import functools
 import json
 import math
+import os
 import pathlib
 import random
 import sys
@@ -57,17 +63,21 @@ MAX_BATCH, MAX_REPLICAS, PROMPT, NEW_TOKENS, ADAPTERS, ZIPF = 8, 8, 64, 32, 100,
 DELAYS = {"upscale_delay_s": 1.0, "downscale_delay_s": 5.0}
 # the traces: Punica Fig. 13 compressed, and a ramp 2.7× as steep (the same peak in a third the time)
 TRACES = {"diurnal": (240.0, 7.0), "steep": (90.0, 7.0)}
-# arms: Ray Serve's router and policy; loraplex's (cluster/) as configured by default; and, on the
-# steep ramp, loraplex without the trend (upscale_lead_s 0) and with a warm spare, for their cost
-# loraplex's policy keys beyond the delays (none: the defaults of cluster/autoscaling.py). The
-# 2026-12-06 run at high_water 0.75 spent 0.74× Ray's replica-seconds with TTFT p99 at 0.27×
-# Ray's: {"high_water": 0.85} is the next setting to measure against the 0.6× target
-OURS: dict = {}
+# arms: Ray Serve's router and policy; loraplex's (cluster/) as configured by default; on the
+# diurnal trace also two leaner settings (less room kept ahead: fuller replicas, more waiting),
+# and on the steep ramp loraplex without the trend (upscale_lead_s 0) and with a warm spare,
+# for what each costs in replica-seconds
 ARMS = {
     "default": ("default", {}),
-    "loraplex": ("loraplex", OURS),
-    "loraplex_no_trend": ("loraplex", {**OURS, "upscale_lead_s": 0.0}),
-    "loraplex_spare": ("loraplex", {**OURS, "min_idle_replicas": 1}),
+    "loraplex": ("loraplex", {}),
+    "loraplex_hw85": ("loraplex", {"high_water": 0.85}),
+    "loraplex_full": ("loraplex", {"high_water": 1.0, "upscale_lead_s": 0.0}),
+    "loraplex_no_trend": ("loraplex", {"upscale_lead_s": 0.0}),
+    "loraplex_spare": ("loraplex", {"min_idle_replicas": 1}),
+}
+TRACE_ARMS = {
+    "diurnal": ("default", "loraplex", "loraplex_hw85", "loraplex_full"),
+    "steep": ("default", "loraplex", "loraplex_no_trend", "loraplex_spare"),
 }
 
 
@@ -225,17 +235,41 @@ async def run_policy(
     return summarize(records, sampler.rows, start, max_batch, step, cut)
 
 
-def run_trace(name: str, duration: float, peak_rps: float, arms: list[str]) -> dict:
-    arrivals = trace(duration, peak_rps, seed=13)
-    out = {"duration_s": duration, "peak_rps": peak_rps, "arms": {}}
-    for arm in arms:
+def run_arms(selection: list[tuple[str, str]], time_scale: float) -> dict:
+    """Each (trace, arm) in turn on one Ray: {trace: {duration_s, peak_rps, arms: {arm: summary}}}."""
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(proxy_location="Disabled")  # the client is a DeploymentHandle: no HTTP proxy
+    runs: dict = {}
+    for name, arm in selection:
+        duration, peak = TRACES[name]
+        run = runs.setdefault(name, {"duration_s": duration * time_scale, "peak_rps": peak, "arms": {}})
+        arrivals = trace(run["duration_s"], peak, seed=13)
+        print(f"{name} / {arm}: {len(arrivals)} requests over {run['duration_s']:g} s", flush=True)
         policy, extra = ARMS[arm]
-        print(f"{name} / {arm}: {len(arrivals)} requests over {duration:g} s", flush=True)
         replica = simulated_replica(policy, extra)
-        out["arms"][arm] = asyncio.run(run_policy(policy, arrivals, replica, app=f"{name}-{arm}".replace("_", "-")))
-    default = out["arms"]["default"]
-    out["against_default"] = {a: against_default(r, default) for a, r in out["arms"].items() if a != "default"}
-    return out
+        run["arms"][arm] = asyncio.run(run_policy(policy, arrivals, replica, app=f"{name}-{arm}".replace("_", "-")))
+    serve.shutdown()
+    ray.shutdown()
+    return runs
+
+
+def merged(parts: list[dict]) -> dict:
+    """The runs of several parts (arms run side by side, each in a process of its own) as one."""
+    runs: dict = {}
+    for part in parts:
+        for name, run in part["runs"].items():
+            runs.setdefault(name, {**run, "arms": {}})["arms"].update(run["arms"])
+    runs = {name: runs[name] for name in TRACES if name in runs}  # the diurnal trace first
+    for name, run in runs.items():
+        arms = run["arms"]
+        if "default" not in arms:
+            raise SystemExit(f"{name}: no part ran Ray's defaults, the arm every other is measured against")
+        run["arms"] = {a: arms[a] for a in ARMS if a in arms}  # Ray's defaults first
+        run["against_default"] = {a: against_default(r, arms["default"]) for a, r in arms.items() if a != "default"}
+    return runs
 
 
 KEYS = [
@@ -270,45 +304,16 @@ def table(name: str, t: dict) -> None:
         print(f"{a} / default: " + ", ".join(f"{k} {v}" for k, v in s.items() if k != "met"), f"met {s['met']}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--traces", default="diurnal,steep", help="which of " + ",".join(TRACES))
-    ap.add_argument("--steep-arms", default="default,loraplex,loraplex_no_trend,loraplex_spare")
-    ap.add_argument("--time-scale", type=float, default=1.0, help="shorten the traces (a plumbing check)")
-    ap.add_argument("--out", type=pathlib.Path, default=OUT)
-    ap.add_argument("--plot-only", action="store_true")
-    a = ap.parse_args()
-    out = a.out
-    if a.plot_only:
-        d = json.loads(out.read_text())
-        for name, t in {d["trace"]: {**d, "arms": d["policies"]}, **d["traces"]}.items():
-            plot(t, f"{name} trace (Punica Fig. 13, compressed)", out.with_name(f"{out.stem}_{name}.png"))
-        return
-    import os
-
-    import ray
-
-    load_before = os.getloadavg()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    from ray import serve
-
-    serve.start()
-    traces = {}
-    for name in a.traces.split(","):
-        arms = a.steep_arms.split(",") if name == "steep" else ["default", "loraplex"]
-        duration, peak = TRACES[name]
-        traces[name] = run_trace(name, duration * a.time_scale, peak, arms)
-    serve.shutdown()
-    ray.shutdown()
-    # the first trace (the diurnal one) where earlier readers look (policies, replica_seconds_ratio:
-    # benchmarks/results_serving.py), any other under "traces"; the summary is its loraplex arm
-    main_name, *more = traces
-    main_trace = traces[main_name]
+def result(runs: dict, loads: list, machine: str) -> dict:
+    """The JSON: the diurnal trace where earlier readers look (policies, replica_seconds_ratio:
+    benchmarks/results_serving.py), any other under "traces"; the summary is its loraplex arm."""
+    main_name, *more = runs
+    main_trace = runs[main_name]
     first = main_trace["against_default"]["loraplex"]
-    result = {
+    return {
         "date": datetime.date.today().isoformat(),
-        "machine": "2 CPU cores, simulated engine (see docstring)",
-        "load_average_before_and_after": [list(load_before), list(os.getloadavg())],
+        "machine": machine,
+        "load_average_before_and_after": loads,  # one [before, after] per process
         "step_time_model_s": STEP,
         "dilation": DILATION,
         "max_batch": MAX_BATCH,
@@ -325,14 +330,46 @@ def main():
         "replica_seconds_ratio": first["replica_seconds_ratio"],
         "policies": main_trace["arms"],
         "against_default": main_trace["against_default"],
-        "traces": {name: traces[name] for name in more},
+        "traces": {name: runs[name] for name in more},
         "summary": first,
     }
-    out.write_text(json.dumps(result, indent=1))
-    for name, t in traces.items():
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--traces", default="diurnal,steep", help="which of " + ",".join(TRACES))
+    ap.add_argument("--arms", help="run only these TRACE:ARM pairs (comma-separated) and write a --part")
+    ap.add_argument("--part", type=pathlib.Path, help="where --arms writes its runs, for --merge")
+    ap.add_argument("--merge", type=pathlib.Path, nargs="+", help="parts run side by side: one result of them")
+    ap.add_argument("--machine", default="2 CPU cores, simulated engine (see docstring)")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="shorten the traces (a plumbing check)")
+    ap.add_argument("--out", type=pathlib.Path, default=OUT)
+    ap.add_argument("--plot-only", action="store_true")
+    a = ap.parse_args()
+    out = a.out
+    if a.plot_only:
+        d = json.loads(out.read_text())
+        for name, t in {d["trace"]: {**d, "arms": d["policies"]}, **d["traces"]}.items():
+            plot(t, f"{name} trace (Punica Fig. 13, compressed)", out.with_name(f"{out.stem}_{name}.png"))
+        return
+    if a.merge:
+        parts = [json.loads(p.read_text()) for p in a.merge]
+        runs, loads = merged(parts), [p["load_average_before_and_after"] for p in parts]
+    else:
+        pairs = a.arms.split(",") if a.arms else [f"{t}:{arm}" for t in a.traces.split(",") for arm in TRACE_ARMS[t]]
+        load_before = os.getloadavg()
+        runs = run_arms([tuple(p.split(":")) for p in pairs], a.time_scale)
+        load = [list(load_before), list(os.getloadavg())]
+        if a.arms:
+            a.part.write_text(json.dumps({"load_average_before_and_after": load, "runs": runs}))
+            return
+        loads = [load]
+        runs = merged([{"runs": runs}])
+    out.write_text(json.dumps(result(runs, loads, a.machine), indent=1))
+    for name, t in runs.items():
         table(name, t)
         plot(t, f"{name} trace (Punica Fig. 13, compressed)", out.with_name(f"{out.stem}_{name}.png"))
-    print(f"load average before / after: {result['load_average_before_and_after']}")
+    print(f"load average before / after: {loads}")
 
 
 if __name__ == "__main__":
