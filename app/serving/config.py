@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from adapters_store.errors import AdapterUriError
 from adapters_store.paths import parse_uri
-from adapters_store.store import StoreConfig
+from adapters_store.store_config import StoreConfig
 from app.engine.config import EngineConfig
 from app.engine.tp.placement import tensor_parallel_options
 from app.serving.adapter_args import store_config
