@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from adapters_store.errors import InvalidAdapterError
 
@@ -75,10 +74,3 @@ def parse_manifest(raw: bytes | str, max_rank: int) -> AdapterManifest:
     else:
         targets = None
     return AdapterManifest(rank, float(alpha), bool(cfg.get("use_rslora", False)), targets)
-
-
-def read_manifest(adapter_dir: Path, max_rank: int) -> AdapterManifest:
-    path = adapter_dir / "adapter_config.json"
-    if not path.is_file():
-        raise InvalidAdapterError(f"missing adapter_config.json in {adapter_dir.name}")
-    return parse_manifest(path.read_bytes(), max_rank)

@@ -3,17 +3,15 @@ against the base model's shapes. Pickled ``.bin`` files are never opened."""
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from adapters_store.errors import InvalidAdapterError
-from adapters_store.manifest import AdapterManifest, read_manifest
+from adapters_store.manifest import AdapterManifest
 
 LORA_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -159,15 +157,3 @@ def parse_weights(name: str, manifest: AdapterManifest, blob: bytes, shape: Mode
         for part in _split(where, *_check_pair(where, pair, manifest.rank, shape), shape)
     )
     return LoraWeights(name, version, manifest, tensors)
-
-
-def load_local(name: str, adapter_dir: Path, max_rank: int, shape: ModelShape) -> LoraWeights:
-    """Read a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
-    manifest = read_manifest(adapter_dir, max_rank)
-    weights = adapter_dir / WEIGHTS_FILE
-    if not weights.is_file():
-        has_bin = (adapter_dir / "adapter_model.bin").exists()
-        hint = " (pickled adapter_model.bin is never loaded: convert it to safetensors)" if has_bin else ""
-        raise InvalidAdapterError(f"missing {WEIGHTS_FILE} in adapter {name!r}{hint}")
-    blob = weights.read_bytes()
-    return parse_weights(name, manifest, blob, shape, hashlib.sha256(blob).hexdigest())  # no other version here

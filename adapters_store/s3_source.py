@@ -23,7 +23,7 @@ from adapters_store.errors import (
     SourceTimeoutError,
 )
 from adapters_store.metrics import Progress
-from adapters_store.paths import NAME, S3Uri, cache_file
+from adapters_store.paths import S3Uri, cache_file
 from adapters_store.peft_weights import WEIGHTS_FILE
 from adapters_store.sources import (
     BIN_FILE,
@@ -221,13 +221,3 @@ def list_under(client, loc: S3Uri, field: str):
             yield from page.get(field, [])
     except client_errors() as exc:
         raise fetch_error(exc, str(loc)) from None
-
-
-def discover(client, root: S3Uri) -> dict[str, S3Uri]:
-    """Adapters directly under root (``root/<name>/``), by name; invalid names are skipped."""
-    found = {}
-    for item in list_under(client, root, "CommonPrefixes"):
-        name = item["Prefix"].removesuffix("/").rsplit("/", 1)[-1]
-        if NAME.match(name):
-            found[name] = root.child(name)
-    return found

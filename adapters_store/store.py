@@ -21,13 +21,10 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-import torch
-
-from adapters_store.disk_cache import DiskCache, DiskCacheConfig
+from adapters_store.disk_cache import DiskCache
 from adapters_store.errors import (
     AdapterError,
     AdapterFetchError,
@@ -37,42 +34,17 @@ from adapters_store.errors import (
     UnknownAdapterError,
 )
 from adapters_store.fast_load import FastLoader
-from adapters_store.gpu_pool import adapter_bytes
-from adapters_store.host_cache import HostCache, HostCacheConfig
+from adapters_store.host_cache import HostCache
 from adapters_store.manifest import parse_manifest
 from adapters_store.metrics import StoreMetrics
 from adapters_store.paths import NAME, S3Uri, check_name, parse_uri
 from adapters_store.peft_weights import LoraWeights, ModelShape
-from adapters_store.s3_source import S3Config, S3Source, make_client
+from adapters_store.s3_source import S3Source, make_client
 from adapters_store.single_flight import SingleFlight
 from adapters_store.sources import LocalSource, Snapshot, Source, Staging, read_staged
+from adapters_store.store_config import StoreConfig
 
 _MAX_REMEMBERED_FAILURES = 4096
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    max_rank: int = 64
-    host: HostCacheConfig = HostCacheConfig()
-    disk: DiskCacheConfig = field(default_factory=DiskCacheConfig)
-    s3: S3Config = S3Config()
-    miss_ttl_s: float = 10.0
-    workers: int = 4  # loader threads: concurrent downloads of distinct adapters
-    default_root: str | None = None  # e.g. "s3://bucket/adapters/": unregistered names load from root/<name>/
-
-
-def check_budgets(shape: ModelShape, config: StoreConfig) -> None:
-    """Refuse, by name, a host or disk budget that cannot hold one adapter of the largest rank."""
-    for what, budget, dtype in (
-        ("adapter_cache.host_gb", config.host.budget_bytes, config.host.dtype),
-        ("adapter_cache.disk_gb", config.disk.budget_bytes, torch.float32),  # files: fp32 at most
-    ):
-        largest = adapter_bytes(shape, config.max_rank, dtype)
-        if budget < largest:
-            raise ValueError(
-                f"{what} ({budget} bytes) holds no adapter: one of rank {config.max_rank} on "
-                f"every module takes {largest} bytes"
-            )
 
 
 def _done(result=None, error: BaseException | None = None) -> Future:

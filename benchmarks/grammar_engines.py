@@ -36,7 +36,8 @@ BATCH, STEPS = 64, 150
 def tokenizers() -> dict:
     from transformers import AutoTokenizer
 
-    from app.model.default import default_model_dir, gemma3_270m_dir
+    from app.model.default import default_model_dir
+    from benchmarks.gemma3_270m import gemma3_270m_dir
 
     out = {"smollm2-49k": AutoTokenizer.from_pretrained(str(default_model_dir()))}
     try:

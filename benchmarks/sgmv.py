@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import vllm_peer  # noqa: E402
+from benchmarks import sgmv_halves, vllm_peer  # noqa: E402
 from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph  # noqa: E402
-from ops import sgmv  # noqa: E402
+from ops import sgmv, sgmv_plan, sgmv_shapes  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -105,8 +105,8 @@ class Case:
 
     def plan(self, **force):
         """add_lora's launch for this batch (split / warps forced or the defaults)."""
-        return sgmv.launch_plan(
-            sgmv.FUSED,
+        return sgmv_plan.launch_plan(
+            sgmv_shapes.FUSED,
             self.batch,
             x=self.x,
             y=self.y,
@@ -120,8 +120,8 @@ class Case:
         )
 
     def ours_2launch(self):
-        sgmv.sgmv_shrink(self.v, self.x, self.A, *self.segs())
-        sgmv.sgmv_expand(self.y, self.v, self.B, *self.segs(), self.scales)
+        sgmv_halves.sgmv_shrink(self.v, self.x, self.A, *self.segs())
+        sgmv_halves.sgmv_expand(self.y, self.v, self.B, *self.segs(), self.scales)
 
     def loop(self):
         for slot, lo, hi in zip(self.slots, self.bounds[:-1], self.bounds[1:]):
@@ -161,8 +161,8 @@ def time_phases(case, flush):
         workload="distinct",
         batch=case.batch,
         fused_us=time_graph(case.ours, flush),
-        shrink_us=time_graph(lambda: sgmv.sgmv_shrink(case.v, case.x, case.A, *case.segs()), flush),
-        expand_us=time_graph(lambda: sgmv.sgmv_expand(case.y, case.v, case.B, *case.segs(), case.scales), flush),
+        shrink_us=time_graph(lambda: sgmv_halves.sgmv_shrink(case.v, case.x, case.A, *case.segs()), flush),
+        expand_us=time_graph(lambda: sgmv_halves.sgmv_expand(case.y, case.v, case.B, *case.segs(), case.scales), flush),
         fused_twice_us=time_graph(lambda: (case.ours(), case.ours()), flush),
     )
 
@@ -171,7 +171,7 @@ def sweep_shapes():
     """(blocks per item, warps) to force: cluster widths with 4 or 8 warps on sm_90; before it,
     split-K through L2 over 1-16 blocks (4 warps; past what the GPU holds at once, 1: the
     sweep records the split launched)."""
-    if sgmv._arch(torch.cuda.current_device()) >= 90:
+    if sgmv_plan.kernel_arch(torch.cuda.current_device()) >= 90:
         return list(itertools.product((4, 8, 16), (4, 8)))
     return [(s, 4) for s in (1, 4, 8, 16)]
 
@@ -255,7 +255,7 @@ def run(out, with_vllm, ranks=RANKS, h_in=H, h_out=H):
         del pool, vllm_pool
     meta = dict(
         gpu=torch.cuda.get_device_name(),
-        kernel_arch=sgmv._arch(torch.cuda.current_device()),
+        kernel_arch=sgmv_plan.kernel_arch(torch.cuda.current_device()),
         date=datetime.date.today().isoformat(),
         torch=torch.__version__,
         vllm=vllm_version,
@@ -379,7 +379,7 @@ def main():
     ap.add_argument("--h-out", type=int, default=H)
     args = ap.parse_args()
     if args.arch:
-        sgmv._arch = lambda index: args.arch
+        sgmv_plan.kernel_arch = lambda index: args.arch
     if not args.plot_only:
         run(args.out, args.vllm, args.ranks, args.h_in, args.h_out)
     result = json.loads(args.out.read_text())

@@ -26,7 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks import vllm_peer  # noqa: E402
 from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph  # noqa: E402
 from benchmarks.sgmv import POOL, random_pool, request_adapters  # noqa: E402
-from ops import sgmv  # noqa: E402
+from ops import sgmv, sgmv_plan, sgmv_shapes  # noqa: E402
 from ops.lora import LoraSlice  # noqa: E402
 
 H_IN = 4096
@@ -70,8 +70,8 @@ class Case:
     def split(self):
         """The cluster width add_lora_sliced picks for this batch."""
         s = self.slices
-        return sgmv.launch_plan(
-            sgmv.FUSED,
+        return sgmv_plan.launch_plan(
+            sgmv_shapes.FUSED,
             self.x.shape[0],
             x=self.x,
             y=self.y,

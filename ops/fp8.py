@@ -50,11 +50,6 @@ def quantize(w: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.
     return q.contiguous(), s.contiguous()
 
 
-def dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q [N, K] e4m3 · s [N] → [N, K] in dtype (computed in fp32)."""
-    return (q.float() * s.float()[:, None]).to(dtype)
-
-
 def check_finite(q: torch.Tensor, s: torch.Tensor, name: str) -> None:
     """Refuse a checkpoint's fp8 weight with NaN codes, or a scale not finite and positive."""
     if q.dtype != FP8:

@@ -21,7 +21,7 @@ class LoraSlice(NamedTuple):
 def prepare(dtype, max_rank: int, device) -> None:
     """Ready the kernels add_lora will run for a pool like this (CUDA: compiled and loaded now)."""
     if torch.device(device).type == "cuda":
-        from ops.sgmv import warm_up
+        from ops.sgmv_plan import warm_up
 
         warm_up(dtype, max_rank, device)
 
@@ -64,14 +64,14 @@ FIXED_SGMV = dict(split=8, warps=8, groups=1, small_items=True)
 
 def prepare_fixed(dtype, max_rank: int, device) -> None:
     """Compile and load the fixed path's SGMV kernels now (not at a first use mid-capture)."""
-    from ops import sgmv
+    from ops.sgmv_plan import function, kernel_arch
+    from ops.sgmv_shapes import FUSED, kernel_name
 
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
-    arch = sgmv._arch(index)
+    arch = kernel_arch(index)
     for sliced in (False, True):
-        name = sgmv.kernel_name(sgmv.FUSED, dtype, max_rank, 1, arch, 8, 8, sliced)[0]
-        sgmv._function(name, index)
+        function(kernel_name(FUSED, dtype, max_rank, 1, arch, 8, 8, sliced)[0], index)
 
 
 def _add_fixed(y, x, slices, indptr, ranks, scales, host_segments, tile: int):

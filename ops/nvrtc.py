@@ -74,7 +74,8 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
-def _options(arch: int, extra: tuple[str, ...], ptx: bool = False) -> list[bytes]:
+def options(arch: int, extra: tuple[str, ...], ptx: bool = False) -> list[bytes]:
+    """NVRTC's options for sm_`arch` (compute_`arch` with `ptx`): C++17, the kernels' include paths, `extra`."""
     target = f"compute_{arch}" if ptx else f"sm_{arch}"
     opts = [f"--gpu-architecture={target}", "-std=c++17", f"-I{KERNEL_DIR}"]
     opts += [f"-I{d}" for d in include_dirs()]
@@ -95,8 +96,9 @@ def _write_atomic(path: pathlib.Path, data: bytes):
     os.replace(tmp, path)  # concurrent compilers of one key write the same bytes
 
 
-def _nvrtc_compile(source: str, name_expr: str, opts: list[bytes], ptx: bool = False) -> tuple[bytes, str, str]:
-    """(cubin, or PTX for a compute_XX target; lowered name; log)."""
+def compile_uncached(source: str, name_expr: str, opts: list[bytes], ptx: bool = False) -> tuple[bytes, str, str]:
+    """(cubin, or PTX for a compute_XX target; lowered name; NVRTC's log, with ptxas' resource
+    report when `opts` hold --ptxas-options=-v). No disk cache: compile_kernel adds it."""
     text = (KERNEL_DIR / source).read_bytes()
     prog = _ok(nvrtc.nvrtcCreateProgram(text, source.encode(), 0, [], []), "create")
     try:
@@ -125,22 +127,17 @@ def compile_kernel(
 ) -> tuple[bytes, str]:
     """(cubin, lowered symbol name) for `name_expr` in kernels/`source`, sm_`arch`; with
     `ptx`, PTX for compute_`arch` instead of the cubin."""
-    opts = _options(arch, extra, ptx)
+    opts = options(arch, extra, ptx)
     version = _ok(nvrtc.nvrtcVersion(), "version")
     key = hashlib.sha256(repr((_sources_digest(), source, name_expr, opts, tuple(version))).encode()).hexdigest()[:32]
     image_path = _cache_dir() / f"{key}.{'ptx' if ptx else 'cubin'}"
     name_path = _cache_dir() / f"{key}.sym"
     if image_path.is_file() and name_path.is_file():
         return image_path.read_bytes(), name_path.read_text()
-    image, lowered, _ = _nvrtc_compile(source, name_expr, opts, ptx)
+    image, lowered, _ = compile_uncached(source, name_expr, opts, ptx)
     _write_atomic(image_path, image)
     _write_atomic(name_path, lowered.encode())
     return image, lowered
-
-
-def resource_report(source: str, name_expr: str, arch: int) -> str:
-    """ptxas' register / shared-memory / spill report for one kernel (not cached)."""
-    return _nvrtc_compile(source, name_expr, _options(arch, ("--ptxas-options=-v",)))[2]
 
 
 def _drv(result, what):

@@ -1,5 +1,5 @@
 """Which SGMV kernel instantiation and grid shape serve a call: the template names, and the
-cluster widths / split-K widths measured on the H200 (`ops.sgmv` launches them)."""
+cluster widths / split-K widths measured on the H200 (`ops.sgmv_plan` launches them)."""
 
 import torch
 

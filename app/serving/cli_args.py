@@ -1,7 +1,7 @@
 """`serve run app.builder:build_app key=value …`: Ray's builder arguments, typed as YAML types them.
 
 Ray hands a builder every command-line argument as a string ({"max_batch_size": "8"}), which the
-strict validation of AppArgs (app/serving/config.py) refuses. Each value is therefore read as
+strict validation of AppArgs (app/serving/config_schema.py) refuses. Each value is therefore read as
 the YAML value it would be in serve_config.yaml's `args:`, by the field it sets: a field that
 takes text keeps it as text (`null` is None where the field allows it); any other field reads it
 as YAML (`8`, `0.9`, `true`, `auto`, `[a, b]`, `{num_replicas: 2}`); a list field also takes

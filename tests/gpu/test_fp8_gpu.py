@@ -5,7 +5,8 @@ with adapters under CUDA graphs. Needs sm_89+ (fp8 tensor cores)."""
 import pytest
 import torch
 
-from ops.fp8 import FP8, _quantize_rows_torch, dequantize, fp8_linear, quantize, quantize_rows
+from ops.fp8 import FP8, _quantize_rows_torch, fp8_linear, quantize, quantize_rows
+from tests.support.fp8_reference import dequantize
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from benchmarks.sgmv import request_adapters  # Punica's four workloads, as benchmarked
-from ops import sgmv
+from benchmarks.sgmv_halves import sgmv_expand, sgmv_shrink
+from ops import sgmv, sgmv_plan, sgmv_shapes
 from ops.lora import LoraSlice
 from ops.reference import lora_ref
 
@@ -117,9 +118,9 @@ def check_case(dtype, h_in, h_out, rank, workload, batch, pool, rng, **forced):
             errors.append(f"{what}: v rel err {err:.2e}")
 
     v = torch.full_like(v_ref, math.nan)
-    check_v(sgmv.sgmv_shrink(v, x, A, *seg_args), "shrink")
+    check_v(sgmv_shrink(v, x, A, *seg_args), "shrink")
     y = y0.clone()
-    check_y(sgmv.sgmv_expand(y, v_ref, B, *seg_args, scales, y_offset=PAD), "expand")
+    check_y(sgmv_expand(y, v_ref, B, *seg_args, scales, y_offset=PAD), "expand")
     y, v = y0.clone(), torch.full_like(v_ref, math.nan)
     sgmv.add_lora(y, x, A, B, *seg_args, scales, y_offset=PAD, v=v, **forced)
     check_y(y, "add_lora")
@@ -185,8 +186,17 @@ def test_every_rank_group_width(split, groups):
     assert not failures, "\n".join(failures[:20])
     A, B, ranks, scales = pool
     segs = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
-    plan = sgmv.launch_plan(
-        sgmv.FUSED, 1, A=A, B=B, indptr=segs, slot_ids=segs[:1], ranks=ranks, scales=scales, split=split, groups=groups
+    plan = sgmv_plan.launch_plan(
+        sgmv_shapes.FUSED,
+        1,
+        A=A,
+        B=B,
+        indptr=segs,
+        slot_ids=segs[:1],
+        ranks=ranks,
+        scales=scales,
+        split=split,
+        groups=groups,
     )
     assert "grouped" in plan.name and plan.blocks == split * groups and plan.args.xcount is not None
 
@@ -195,7 +205,7 @@ def test_sm80_code_path_on_this_device(monkeypatch):
     """The kernels an A100 runs (no clusters: the fused kernel's split-K partials meet in L2,
     or one block per item on large grids; the expand split over 8 plain blocks), built as
     compute_80 PTX and compiled by the driver for this GPU, equal the reference too."""
-    monkeypatch.setattr(sgmv, "_arch", lambda index: 80)
+    monkeypatch.setattr(sgmv_plan, "kernel_arch", lambda index: 80)
     rng = np.random.default_rng(80)
     failures = []
     for dtype, rank in ((torch.float16, 16), (torch.bfloat16, 64), (torch.float16, "mixed")):
@@ -215,7 +225,9 @@ def test_sm80_code_path_on_this_device(monkeypatch):
     assert not failures, "\n".join(failures[:20])
     A, B, ranks, scales = pool
     segs = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
-    plan = sgmv.launch_plan(sgmv.FUSED, 1, A=A, B=B, indptr=segs, slot_ids=segs[:1], ranks=ranks, scales=scales)
+    plan = sgmv_plan.launch_plan(
+        sgmv_shapes.FUSED, 1, A=A, B=B, indptr=segs, slot_ids=segs[:1], ranks=ranks, scales=scales
+    )
     assert "cluster" not in plan.name and plan.cluster == 16 and plan.args.xcount is not None
 
 
@@ -246,7 +258,7 @@ def test_sliced_equals_reference_of_every_slice(h_outs, split, monkeypatch):
     4 clusters of 8 per item wherever the GPU holds the grid at once (decode tiles)."""
     groups = None
     if split == "sm_80":
-        monkeypatch.setattr(sgmv, "_arch", lambda index: 80)
+        monkeypatch.setattr(sgmv_plan, "kernel_arch", lambda index: 80)
         split = None
     if split == "rank_groups":
         split, groups = 8, 4
@@ -292,7 +304,7 @@ def test_cuda_graph_capture_and_replay(arch, tokens, batch, monkeypatch):
     """sm_80: a grid small enough for split-K through L2, whose counters carry over from replay
     to replay; rank_groups: few items at rank 128, whose clusters count in on those counters."""
     if arch:
-        monkeypatch.setattr(sgmv, "_arch", lambda index: arch)
+        monkeypatch.setattr(sgmv_plan, "kernel_arch", lambda index: arch)
     dtype, h = torch.float16, 4096
     rng = np.random.default_rng(1)
     A, B, ranks, scales = make_pool(dtype, h, h, "mixed", seed=1)
@@ -302,8 +314,8 @@ def test_cuda_graph_capture_and_replay(arch, tokens, batch, monkeypatch):
     indptr = torch.zeros(tokens + 1, dtype=torch.int32, device="cuda")
     slot_ids = torch.full((tokens,), -1, dtype=torch.int32, device="cuda")
     sgmv.add_lora(y, x, A, B, indptr, slot_ids, ranks, scales, y_offset=PAD, v=v)  # compile outside capture
-    plan = sgmv.launch_plan(
-        sgmv.FUSED, tokens, x=x, y=y, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks, scales=scales
+    plan = sgmv_plan.launch_plan(
+        sgmv_shapes.FUSED, tokens, x=x, y=y, A=A, B=B, indptr=indptr, slot_ids=slot_ids, ranks=ranks, scales=scales
     )
     assert ("grouped" in plan.name) == (batch == 3), plan.name
     graph = torch.cuda.CUDAGraph()

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from adapters_store.manifest import TARGET_MODULES
-from adapters_store.peft_weights import load_local
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.engine.tp.sharding import COLUMN, Shard, load_shard_weights, shard_adapter, shard_config
@@ -22,6 +21,7 @@ from app.model.weights import load_weights
 from app.protocol import GenerateRequest, SamplingParams
 from tests.support.error_hygiene import checked_openai
 from tests.support.helpers import make_random_adapter, run_to_completion
+from tests.support.store_helpers import load_local
 
 RANKS = {"a": 4, "b": 8, "c": 16, "d": 2}
 

@@ -10,6 +10,7 @@ import torch
 
 from app.protocol import GenerateRequest, Migrate, TokenChunk
 from benchmarks.checkpoints import make_random_adapter, write_llama  # noqa: F401  (the tests take it from here)
+from benchmarks.gemma3_270m import gemma3_270m_dir  # noqa: F401  (the tests take it from here)
 
 
 def make_tiny_llama(path: Path, seed: int = 0) -> Path:

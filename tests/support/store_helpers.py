@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from adapters_store.peft_weights import ModelShape
+from adapters_store.manifest import parse_manifest
+from adapters_store.peft_weights import LoraWeights, ModelShape, parse_weights
+from adapters_store.sources import LocalSource
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -80,6 +82,15 @@ def upload_dir(client, bucket: str, prefix: str, local: Path) -> str:
     return f"s3://{bucket}/{prefix}/"
 
 
+def load_local(name: str, adapter_dir: Path, max_rank: int, shape: ModelShape) -> LoraWeights:
+    """The adapter read the plain way, as the tests' reference for the store's fast path: the
+    product's local source (its checks and version), manifest and PEFT parser, no tiers."""
+    source = LocalSource(adapter_dir)
+    snap = source.snapshot()
+    blob, _ = source.read_weights(snap)
+    return parse_weights(name, parse_manifest(snap.config, max_rank), blob, shape, snap.version)
+
+
 def assert_same_weights(got, want) -> None:
     assert got.manifest == want.manifest
     assert set(got.tensors) == set(want.tensors)
@@ -91,7 +102,7 @@ def store_config(endpoint_url: str, root: Path, **overrides):
     """A store config for the S3 server at endpoint_url (usually the fault proxy), test-sized timeouts."""
     from adapters_store.disk_cache import DiskCacheConfig
     from adapters_store.s3_source import S3Config
-    from adapters_store.store import StoreConfig
+    from adapters_store.store_config import StoreConfig
 
     s3_cfg = S3Config(endpoint_url=endpoint_url, connect_timeout_s=1.0, read_timeout_s=1.0, max_attempts=2)
     return StoreConfig(**{"max_rank": 16, "disk": DiskCacheConfig(root / "cache"), "s3": s3_cfg, **overrides})

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from adapters_store.peft_weights import load_local
-from app.errors import InvalidAdapterError
+from app.errors import AdapterNotFoundError, InvalidAdapterError
 from app.model.config import ModelConfig
 from tests.support.helpers import make_random_adapter
+from tests.support.store_helpers import load_local
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def _copy(good, tmp_path, edit_config=None):
 
 def test_good_adapter_loads(good, shape):
     w = load_local("a", good, 16, shape)
-    assert w.manifest.rank == 4 and len(w.version) == 64
+    assert w.manifest.rank == 4 and len(w.version) == 16
     assert {m for _, m in w.tensors} == {"q_proj", "up_proj"}
 
 
@@ -91,7 +91,10 @@ def test_corrupt_and_missing_files(good, shape, tmp_path):
     (d / "adapter_config.json").write_text("{not json")
     with pytest.raises(InvalidAdapterError, match="not valid JSON"):
         load_local("a", d, 16, shape)
+    (d / "adapter_config.json").unlink()
     with pytest.raises(InvalidAdapterError, match="missing adapter_config.json"):
+        load_local("a", d, 16, shape)
+    with pytest.raises(AdapterNotFoundError, match="does not exist"):
         load_local("a", tmp_path / "nowhere", 16, shape)
 
 

@@ -3,7 +3,6 @@ making fp32 copies, hashing the blob and stacking temporaries: the same refusals
 packed values for every source dtype, the caller's content version, and host bytes counted
 exactly through evictions."""
 
-import hashlib
 import json
 
 import pytest
@@ -13,10 +12,10 @@ from safetensors.torch import save
 from adapters_store.errors import InvalidAdapterError
 from adapters_store.host_cache import HostCache, HostCacheConfig, pack
 from adapters_store.manifest import parse_manifest
-from adapters_store.peft_weights import load_local, parse_weights
+from adapters_store.peft_weights import parse_weights
 from adapters_store.sources import LocalSource
 from adapters_store.store import AdapterStore, StoreConfig
-from tests.support.store_helpers import TINY_SHAPE, write_adapter
+from tests.support.store_helpers import TINY_SHAPE, load_local, write_adapter
 
 TARGETS = ("q_proj", "down_proj")
 
@@ -81,11 +80,11 @@ def test_packed_values_are_bit_identical_to_the_fp32_round_trip(src, dst):
 
 
 def test_every_path_keeps_a_content_version(tmp_path):
-    """parse_weights no longer hashes the blob: the store's version is its source's (a local
-    directory's from the files' sha256), and load_local, which has no source, still hashes the file."""
+    """parse_weights does not hash the blob: the version is its source's (a local directory's from
+    the files' sha256), in the store and read the plain way (load_local) alike."""
     d = write_adapter(tmp_path / "a", TINY_SHAPE, targets=TARGETS)
     local = load_local("a", d, 16, TINY_SHAPE)
-    assert local.version == hashlib.sha256((d / "adapter_model.safetensors").read_bytes()).hexdigest()
+    assert local.version == LocalSource(d).snapshot().version
     store = AdapterStore(TINY_SHAPE, StoreConfig(max_rank=16))
     try:
         store.register("a", d)

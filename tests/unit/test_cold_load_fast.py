@@ -15,10 +15,10 @@ from adapters_store.fast_load import FastLoader, all_finite, copy_into
 from adapters_store.gpu_pool import LoraPool, PoolConfig
 from adapters_store.host_cache import HostCache, HostCacheConfig, pack
 from adapters_store.manifest import parse_manifest
-from adapters_store.peft_weights import ModelShape, load_local, parse_weights
+from adapters_store.peft_weights import ModelShape, parse_weights
 from adapters_store.sources import LocalSource, Staging
 from adapters_store.store import AdapterStore, StoreConfig
-from tests.support.store_helpers import write_adapter
+from tests.support.store_helpers import load_local, write_adapter
 
 # 12 layers: a file sorted by name holds them as 0, 1, 10, 11, 2, 3, ... (PEFT's save sorts)
 SHAPE = ModelShape(12, {"q_proj": (32, 32), "v_proj": (32, 8), "down_proj": (48, 32)})

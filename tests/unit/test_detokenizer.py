@@ -20,10 +20,11 @@ TEXTS = [
 def tokenizer(request):
     from transformers import AutoTokenizer
 
-    from app.model import default
+    from app.model.default import default_model_dir
+    from tests.support.helpers import gemma3_270m_dir
 
     try:
-        path = default.default_model_dir() if request.param == "smollm2" else default.gemma3_270m_dir()
+        path = default_model_dir() if request.param == "smollm2" else gemma3_270m_dir()
     except RuntimeError as exc:
         pytest.skip(str(exc))
     return AutoTokenizer.from_pretrained(str(path))

@@ -10,7 +10,7 @@ from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.protocol import GenerateRequest, SamplingParams
 from tests.support.family_fixtures import LLAMA_TARGETS, hf_family_greedy_many
-from tests.support.helpers import make_random_adapter, run_to_completion
+from tests.support.helpers import gemma3_270m_dir, make_random_adapter, run_to_completion
 
 pytestmark = [
     pytest.mark.slow,  # Gemma 3 270M (262k vocabulary) against HF transformers + PEFT
@@ -26,8 +26,6 @@ NEW_TOKENS = 48
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     from transformers import AutoTokenizer
-
-    from app.model.default import gemma3_270m_dir
 
     path = gemma3_270m_dir()
     adapter = make_random_adapter(path, tmp_path_factory.mktemp("g3") / "lora", rank=8, targets=LLAMA_TARGETS, seed=5)

@@ -4,7 +4,8 @@ reference of e4m3 rounding, saturation at ±448, non-finite values refused, and 
 import pytest
 import torch
 
-from ops.fp8 import FP8, FP8_MAX, check_finite, dequantize, fp8_linear, fp8_linear_reference, quantize, quantize_rows
+from ops.fp8 import FP8, FP8_MAX, check_finite, fp8_linear, fp8_linear_reference, quantize, quantize_rows
+from tests.support.fp8_reference import dequantize
 
 
 def _e4m3_values() -> torch.Tensor:

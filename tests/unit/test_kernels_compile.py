@@ -9,7 +9,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-from ops import nvrtc, sgmv, sgmv_shapes
+from ops import nvrtc, sgmv_shapes
 
 pytestmark = pytest.mark.slow  # NVRTC compiles every kernel for sm_80 and sm_90
 
@@ -26,19 +26,24 @@ def pool():
         yield workers
 
 
+def _ptxas_report(source: str, name: str, arch: int) -> str:
+    """ptxas' register / shared-memory / spill report for one kernel (compiled uncached)."""
+    return nvrtc.compile_uncached(source, name, nvrtc.options(arch, ("--ptxas-options=-v",)))[2]
+
+
 def _report(job):
     name, arch = job
-    return name, arch, nvrtc.resource_report("sgmv.cu", name, arch)
+    return name, arch, _ptxas_report("sgmv.cu", name, arch)
 
 
 @pytest.fixture(scope="module")
 def reports(pool):
-    jobs = [(name, arch) for arch in ARCHS for name in sgmv.all_kernel_names(arch)]
+    jobs = [(name, arch) for arch in ARCHS for name in sgmv_shapes.all_kernel_names(arch)]
     return list(pool.map(_report, jobs))
 
 
 def test_every_kernel_compiles_without_spills(reports):
-    assert len(reports) == sum(len(sgmv.all_kernel_names(a)) for a in ARCHS) >= 2 * 32
+    assert len(reports) == sum(len(sgmv_shapes.all_kernel_names(a)) for a in ARCHS) >= 2 * 32
     for name, arch, log in reports:
         spills = re.search(r"(\d+) bytes spill stores", log)
         assert spills and spills.group(1) == "0", f"sm_{arch} {name} spills:\n{log}"
@@ -46,16 +51,16 @@ def test_every_kernel_compiles_without_spills(reports):
 
 def test_the_engine_warm_up_asks_only_for_kernels_ci_compiles():
     for arch in ARCHS:
-        every = set(sgmv.all_kernel_names(arch))
+        every = set(sgmv_shapes.all_kernel_names(arch))
         for dtype in (torch.float16, torch.bfloat16):
             for max_rank in (1, 16, 33, 64, 128):
-                names = sgmv.fused_kernel_names(dtype, max_rank, arch)
+                names = sgmv_shapes.fused_kernel_names(dtype, max_rank, arch)
                 assert names and set(names) <= every, (arch, dtype, max_rank)
 
 
 def test_split_k_clusters_only_on_sm90():
     for arch in ARCHS:
-        name, split, _, _ = sgmv.kernel_name(sgmv.FUSED, torch.float16, 16, 64, arch)
+        name, split, _, _ = sgmv_shapes.kernel_name(sgmv_shapes.FUSED, torch.float16, 16, 64, arch)
         assert ("cluster" in name) == (arch >= 90) and split == 8  # before sm_90: split-K through L2
 
 
@@ -75,7 +80,7 @@ def _compile_twice(cache_dir: str):
     before = os.environ.get("LORAPLEX_CACHE")
     os.environ["LORAPLEX_CACHE"] = cache_dir
     try:
-        name = sgmv.kernel_name(sgmv.FUSED, torch.bfloat16, 32, 4096, 90)[0]
+        name = sgmv_shapes.kernel_name(sgmv_shapes.FUSED, torch.bfloat16, 32, 4096, 90)[0]
         compile_uncached = nvrtc.compile_kernel.__wrapped__
         first = compile_uncached("sgmv.cu", name, 90)
         return first, compile_uncached("sgmv.cu", name, 90)
@@ -95,7 +100,7 @@ def test_cubins_are_cached_on_disk(pool, tmp_path):
 
 def test_older_arch_builds_as_ptx():
     """load_function(..., arch=80) on a newer GPU runs this: PTX the driver compiles for it."""
-    name = sgmv.kernel_name(sgmv.FUSED, torch.float16, 64, 16, 80)[0]
+    name = sgmv_shapes.kernel_name(sgmv_shapes.FUSED, torch.float16, 64, 16, 80)[0]
     ptx, symbol = nvrtc.compile_kernel("sgmv.cu", name, 80, ptx=True)
     text = ptx.rstrip(b"\0").decode()
     assert ".target sm_80" in text and f".entry {symbol}(" in text
@@ -117,26 +122,26 @@ def test_rank_groups_only_for_few_items_and_kernels_ci_compiles():
     """Rank groups (clusters of an item waiting for each other on sm_90): picked only for grids of
     at most 4 items at rank tiles 64 (items of 8+ rows on average) and 128, and only as kernels
     all_kernel_names lists; other shapes asked for are refused, not compiled on the fly."""
-    compiled = set(sgmv.all_kernel_names(90))
+    compiled = set(sgmv_shapes.all_kernel_names(90))
     for max_rank in (16, 32, 64, 100, 128):
         for items, tokens in ((1, 1), (1, 16), (3, 48), (4, 4), (4, 64), (5, 80), (40, 40)):
             split, warps, groups = sgmv_shapes.fused_shape(items, 16, max_rank, 90, 132, tokens)
             grouped = max_rank > 64 and items <= 4 or max_rank > 32 and items <= 4 and tokens >= 8 * items
             assert (groups > 1) == grouped, (max_rank, items, tokens)
             for sliced in (False, True):
-                name = sgmv.kernel_name(sgmv.FUSED, torch.float16, max_rank, tokens, 90, split, warps, sliced, groups)[
-                    0
-                ]
+                name = sgmv_shapes.kernel_name(
+                    sgmv_shapes.FUSED, torch.float16, max_rank, tokens, 90, split, warps, sliced, groups
+                )[0]
                 assert name in compiled
         assert sgmv_shapes.fused_shape(1, 16, max_rank, 80, 108, 16)[2] == 1  # no clusters before sm_90
     for split, groups, max_rank, tokens in ((4, 2, 128, 1), (16, 2, 32, 1), (8, 3, 64, 1), (16, 4, 128, 256)):
         with pytest.raises(ValueError, match="rank groups"):
-            sgmv.kernel_name(sgmv.FUSED, torch.float16, max_rank, tokens, 90, split, 4, False, groups)
+            sgmv_shapes.kernel_name(sgmv_shapes.FUSED, torch.float16, max_rank, tokens, 90, split, 4, False, groups)
 
 
 def _engine_op_report(job):
     src, name, arch = job
-    return src, name, nvrtc.resource_report(src, name, arch)
+    return src, name, _ptxas_report(src, name, arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

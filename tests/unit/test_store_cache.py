@@ -19,10 +19,9 @@ from adapters_store.disk_cache import DiskCache, DiskCacheConfig, ObjectInfo, Ve
 from adapters_store.errors import AdapterFetchError, SourceResponseError
 from adapters_store.host_cache import HostCacheConfig, pack
 from adapters_store.metrics import Progress, StoreMetrics
-from adapters_store.peft_weights import load_local
 from adapters_store.store import AdapterStore, StoreConfig
 from tests.support.fault_proxy import Fault
-from tests.support.store_helpers import assert_same_weights, store_config, upload_dir, write_adapter
+from tests.support.store_helpers import assert_same_weights, load_local, store_config, upload_dir, write_adapter
 
 pytest_plugins = ["tests.support.s3_fixtures"]  # fixtures: s3, shape
 

@@ -10,10 +10,16 @@ from dataclasses import replace
 import pytest
 
 from adapters_store.errors import AdapterFetchError, SourceResponseError, SourceTimeoutError
-from adapters_store.peft_weights import load_local
 from adapters_store.store import AdapterStore
 from tests.support.fault_proxy import WEIGHTS, Fault
-from tests.support.store_helpers import assert_same_weights, store_config, upload_client, upload_dir, write_adapter
+from tests.support.store_helpers import (
+    assert_same_weights,
+    load_local,
+    store_config,
+    upload_client,
+    upload_dir,
+    write_adapter,
+)
 
 pytest_plugins = ["tests.support.s3_fixtures"]  # fixtures: s3, shape
 

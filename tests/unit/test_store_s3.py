@@ -12,13 +12,12 @@ import pytest
 from adapters_store import store as store_module
 from adapters_store.errors import AdapterFetchError, SourceChangedError
 from adapters_store.paths import parse_uri
-from adapters_store.peft_weights import load_local
-from adapters_store.s3_source import S3Config, S3Source, discover
+from adapters_store.s3_source import S3Config, S3Source, list_under
 from adapters_store.store import AdapterStore
 from app.errors import AdapterNotFoundError, InvalidAdapterError
 from tests.support.fault_proxy import Fault
 from tests.support.helpers import make_random_adapter
-from tests.support.store_helpers import assert_same_weights, store_config, upload_dir, write_adapter
+from tests.support.store_helpers import assert_same_weights, load_local, store_config, upload_dir, write_adapter
 
 pytest_plugins = ["tests.support.s3_fixtures"]  # fixtures: s3, shape
 
@@ -206,7 +205,8 @@ def test_listing_never_matches_a_sibling_prefix(tmp_path, s3, shape, store):
         upload_dir(s3.client, bucket, f"team/{name}", write_adapter(tmp_path / name, shape))
     s3.client.put_object(Bucket=bucket, Key="team/lora1x", Body=b"a stray object, not an adapter")
     client = s3.client
-    assert sorted(discover(client, parse_uri(f"s3://{bucket}/team"))) == ["lora1", "lora1-b", "lora10"]
-    assert discover(client, parse_uri(f"s3://{bucket}/team/lora1")) == {}  # no adapters *under* lora1
+    folders = lambda uri: sorted(p["Prefix"] for p in list_under(client, parse_uri(uri), "CommonPrefixes"))  # noqa: E731
+    assert folders(f"s3://{bucket}/team") == ["team/lora1-b/", "team/lora1/", "team/lora10/"]
+    assert folders(f"s3://{bucket}/team/lora1") == []  # nothing *under* lora1 (not lora10's or lora1-b's)
     source = S3Source(parse_uri(f"s3://{bucket}/team/lora1"), client, None, S3Config())
     assert sorted(source.list_files()) == ["adapter_config.json", "adapter_model.safetensors"]
