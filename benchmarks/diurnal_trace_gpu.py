@@ -62,8 +62,7 @@ def gpu_engine(model_dir: str, adapters: dict[str, str], settings):
     from app.engine.async_engine import AsyncEngine
     from app.engine.factory import build_engine
 
-    core = build_engine(model_dir, settings.engine, adapters, tokenizer=None)
-    return AsyncEngine(core, migrate_locally=settings.migrate_locally)
+    return AsyncEngine(build_engine(model_dir, settings.core_config, adapters, tokenizer=None))
 
 
 def gpu_replica(model_dir: pathlib.Path, adapters: dict[str, str]):

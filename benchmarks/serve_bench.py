@@ -27,6 +27,7 @@ import json
 import math
 import pathlib
 import time
+from dataclasses import replace
 
 from benchmarks import serve_throughput as st
 from benchmarks.serve_bench_core import (
@@ -200,7 +201,8 @@ def engine_rows(a, settings, root: pathlib.Path, runs) -> list[dict]:
     from app.engine.factory import build_engine
 
     adapters = {f"a{k}": str(root / "adapters" / f"a{k}") for k in range(st.ADAPTERS)}
-    engine = AsyncEngine(build_engine(root / "model", settings.engine, adapters))
+    config = replace(settings.engine, requeue_preempted=True)  # one engine: nowhere to move a preempted request
+    engine = AsyncEngine(build_engine(root / "model", config, adapters))
     try:
         return asyncio.run(_run_all("engine", engine_send(engine), runs, a))
     finally:

@@ -24,6 +24,7 @@ import json
 import pathlib
 import random
 import time
+from dataclasses import replace
 
 from benchmarks.sse_load import completion_body, http_client, summarize
 
@@ -192,9 +193,8 @@ async def engine_rows(model: pathlib.Path, adapters: pathlib.Path, settings) -> 
     from app.engine.factory import build_engine
     from app.protocol import GenerateRequest, SamplingParams
 
-    engine = AsyncEngine(
-        build_engine(model, settings.engine, {f"a{k}": str(adapters / f"a{k}") for k in range(ADAPTERS)})
-    )
+    config = replace(settings.engine, requeue_preempted=True)  # one engine: nowhere to move a preempted request
+    engine = AsyncEngine(build_engine(model, config, {f"a{k}": str(adapters / f"a{k}") for k in range(ADAPTERS)}))
     ids = itertools.count()
 
     async def caller(workload, client, until, records, rng):
