@@ -47,7 +47,8 @@ async def _stream(engine: AsyncEngine, request: GenerateRequest) -> None:
 
 def main(argv=None) -> int:
     a = _args(argv)
-    core = build_engine(a.model, EngineConfig(max_lora_rank=64), local_adapters(a.adapters_dir))
+    config = EngineConfig(max_lora_rank=64, requeue_preempted=True)  # one engine: nowhere to move a preempted request
+    core = build_engine(a.model, config, local_adapters(a.adapters_dir))
     tok = core.tokenizer
     if a.raw:
         ids = tok(a.prompt)["input_ids"]

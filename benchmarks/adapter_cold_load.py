@@ -11,29 +11,26 @@ releases and takes back. ``engine_its`` is its loop rate, to compare with ``engi
 On CUDA it first measures what decided that the host tier is not page-locked (``pinning``):
 a fresh pinned 128 MiB buffer's time, and a GPU loop's rate while buffers are pinned beside it.
 
-    python benchmarks/adapter_cold_load.py [--loads 24] [--flight 1 2 4]
+    python -m benchmarks.adapter_cold_load [--loads 24] [--flight 1 2 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
-import sys
 import threading
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from adapters_store.gpu_pool import LoraPool, PoolConfig  # noqa: E402
-from adapters_store.host_cache import HostCache, HostCacheConfig  # noqa: E402
-from adapters_store.manifest import parse_manifest  # noqa: E402
-from adapters_store.sources import Staging  # noqa: E402
-from adapters_store.store import StoreConfig  # noqa: E402
-from benchmarks.adapter_load import RANK, llama7b  # noqa: E402
-from benchmarks.adapter_standin import Slab, SlabSource, StandInStore  # noqa: E402
+from adapters_store.gpu_pool import LoraPool, PoolConfig
+from adapters_store.host_cache import HostCache, HostCacheConfig
+from adapters_store.manifest import parse_manifest
+from adapters_store.sources import Staging
+from adapters_store.store import StoreConfig
+from benchmarks.adapter_load import RANK, llama7b
+from benchmarks.adapter_standin import Slab, SlabSource, StandInStore
 
 DTYPE = torch.float16
 

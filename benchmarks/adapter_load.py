@@ -3,7 +3,7 @@ adapter on all seven projections beside the measured pinned bandwidth, and a
 cold-start burst — 64 requests for 64 non-resident adapters arriving within 100 ms
 while 32 other requests decode — against the same burst with the adapters resident.
 
-    python benchmarks/adapter_load.py [--out benchmarks/results]
+    python -m benchmarks.adapter_load [--out benchmarks/results]
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ off the engine thread); its TTFT runs from its Poisson arrival, so host loads co
 still running after --max-replay-s is cut: its percentiles then count the requests with no
 first token at their wait so far (lower bounds) and it says ``truncated``.
 
-    python benchmarks/adapter_scale.py [--requests 2000] [--out benchmarks/results]
-    python benchmarks/adapter_scale.py --smoke   # CPU, tiny model: the plumbing, no result written
+    python -m benchmarks.adapter_scale [--requests 2000] [--out benchmarks/results]
+    python -m benchmarks.adapter_scale --smoke   # CPU, tiny model: the plumbing, no result written
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -44,17 +43,16 @@ from datetime import date
 import numpy as np
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from adapters_store.gpu_pool import LoraPool, PoolConfig  # noqa: E402
-from adapters_store.host_cache import HostCacheConfig  # noqa: E402
-from adapters_store.sources import Staging  # noqa: E402
-from adapters_store.store import StoreConfig  # noqa: E402
-from app.engine.config import EngineConfig  # noqa: E402
-from app.engine.core import EngineCore  # noqa: E402
-from app.model.llama import LlamaModel  # noqa: E402
-from app.protocol import GenerateRequest, SamplingParams, TokenChunk  # noqa: E402
-from benchmarks.adapter_load import RANK, llama7b  # noqa: E402
-from benchmarks.adapter_standin import Slab, SlabSource, StandInStore, random_weights, tiny_config  # noqa: E402
+from adapters_store.gpu_pool import LoraPool, PoolConfig
+from adapters_store.host_cache import HostCacheConfig
+from adapters_store.sources import Staging
+from adapters_store.store import StoreConfig
+from app.engine.config import EngineConfig
+from app.engine.core import EngineCore
+from app.model.llama import LlamaModel
+from app.protocol import GenerateRequest, SamplingParams, TokenChunk
+from benchmarks.adapter_load import RANK, llama7b
+from benchmarks.adapter_standin import Slab, SlabSource, StandInStore, random_weights, tiny_config
 
 ZIPF = 1.1
 

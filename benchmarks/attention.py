@@ -3,8 +3,8 @@ contexts 256..4096, fp16, at real models' head layouts: Llama-2-7B (32 / 32 KV h
 Llama-3-8B and Mistral-7B (32 / 8: groups of 4), groups of 8 (32 / 4), Qwen2.5-7B (28 / 4:
 groups of 7), Phi-3-mini (32 / 32, D 96), Gemma-2-9B (16 / 8, D 256).
 
-On the device:  python benchmarks/attention.py [--vllm]   (--vllm after `source .vllm-peer/install.sh`)
-Anywhere:       python benchmarks/attention.py --plot-only
+On the device:  python -m benchmarks.attention [--vllm]   (--vllm after `source .vllm-peer/install.sh`)
+Anywhere:       python -m benchmarks.attention --plot-only
 
 Ours is timed with decode_splits' split count (what the engine runs), and also at every split
 count in SPLITS and every (warps, stages) variant that fits (ops/paged_decode.variants), so one
@@ -23,15 +23,13 @@ import argparse
 import datetime
 import json
 import pathlib
-import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.method import copy_bandwidth, save_figure, time_graph  # noqa: E402
-from ops import paged_decode as pd  # noqa: E402
-from ops import paged_reference as gather_path  # noqa: E402
-from ops.paged_attention import DecodeRows  # noqa: E402
+from benchmarks.method import copy_bandwidth, save_figure, time_graph
+from ops import paged_decode as pd
+from ops import paged_reference as gather_path
+from ops.paged_attention import DecodeRows
 
 SEQS, BS = 32, 16
 CONTEXTS = (256, 512, 1024, 2048, 4096)

@@ -1,6 +1,6 @@
 """Nothing lost under faults, on real Ray Serve with 3 LoraReplica replicas.
 
-    python benchmarks/cluster_faults.py
+    python -m benchmarks.cluster_faults
 
 Two phases, every stream checked token for token against its uninterrupted output:
 - kills: 20 `ray.kill`s of replica actors holding streams in flight (one every 4 s,
@@ -24,10 +24,7 @@ import functools
 import json
 import pathlib
 import random
-import sys
 import time
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "cluster_faults.json"
 REPLICAS, MAX_BATCH, STEP_S = 3, 8, 0.01

@@ -2,8 +2,8 @@
 (power of two choices) and through loraplex's consolidating router (cluster/router.py),
 on 4 LoraReplica replicas, in one run.
 
-    python benchmarks/cluster_routing.py            # two runs of the trace, ~1 min each
-    python benchmarks/cluster_routing.py --plot-only
+    python -m benchmarks.cluster_routing            # two runs of the trace, ~1 min each
+    python -m benchmarks.cluster_routing --plot-only
 
 Replicas run the simulated engine core (benchmarks/simulated_engine.py: the real scheduler and
 KV accounting, a step that sleeps the step-time model of benchmarks/diurnal_trace.py —
@@ -27,14 +27,12 @@ import functools
 import json
 import pathlib
 import random
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.diurnal_trace import STEP, Sampler, summarize  # noqa: E402
-from benchmarks.method import save_figure  # noqa: E402
+from benchmarks.diurnal_trace import STEP, Sampler, summarize
+from benchmarks.method import save_figure
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "cluster_routing.json"
 REPLICAS, MAX_BATCH, PROMPT, NEW_TOKENS = 4, 8, 32, (16, 48)

@@ -5,7 +5,7 @@ both sides so every request generates the same number of tokens. Beside each
 case, in the same run: the goal, and two ceilings no engine can pass on this
 machine (see ``ceilings``).
 
-    python benchmarks/cpu_generate.py [--new-tokens 64] [--out benchmarks/results]
+    python -m benchmarks.cpu_generate [--new-tokens 64] [--out benchmarks/results]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Issue 46 on one GPU: what `deterministic: true` costs and what it buys (engine only).
 
-On the device:  python benchmarks/determinism.py        (JSON + PNG: benchmarks/results/determinism_<gpu>.json)
-Anywhere:       python benchmarks/determinism.py --plot-only
-Plumbing check: python benchmarks/determinism.py --tiny  (a 2-layer model, CPU or GPU, no PNG)
+On the device:  python -m benchmarks.determinism        (JSON + PNG: benchmarks/results/determinism_<gpu>.json)
+Anywhere:       python -m benchmarks.determinism --plot-only
+Plumbing check: python -m benchmarks.determinism --tiny  (a 2-layer model, CPU or GPU, no PNG)
 
 Llama-2-7B shape, random fp16 weights, rank-16 adapters on all seven projections (the helpers of
 benchmarks/e2e_throughput.py). Throughput: N requests queued at once, greedy, at max batch 32 and 64,
@@ -26,13 +26,11 @@ import gc
 import json
 import pathlib
 import random
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import e2e_throughput as e2e  # noqa: E402
+from benchmarks import e2e_throughput as e2e
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 TINY = dict(vocab=512, hidden=1024, inter=2816, layers=2, heads=8, kv_heads=2, head_dim=128, family="llama")

@@ -1,6 +1,6 @@
 """What incremental detokenization costs the engine thread per token (CPU, ~1 min).
 
-    python benchmarks/detokenize.py
+    python -m benchmarks.detokenize
 
 64 requests of 128 random tokens each, every token through app/engine/detokenizer.py as the
 engine calls it (one stop string, as a request with `stop` has; none), against the
@@ -16,12 +16,10 @@ from __future__ import annotations
 import json
 import pathlib
 import random
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from app.engine.detokenizer import Detokenizer  # noqa: E402
-from benchmarks.serve_throughput import word_tokenizer  # noqa: E402
+from app.engine.detokenizer import Detokenizer
+from benchmarks.serve_throughput import word_tokenizer
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "detokenize.json"
 REQUESTS, TOKENS = 64, 128

@@ -2,13 +2,13 @@
 twice in one go — Ray Serve's default request router + default autoscaling policy, then
 loraplex's consolidating router + consolidation-aware policy (cluster/).
 
-    python benchmarks/diurnal_trace.py            # both traces, every arm: ~15 minutes
-    python benchmarks/diurnal_trace.py --plot-only
-    python benchmarks/diurnal_trace.py --time-scale 0.1 --out /tmp/d.json   # a plumbing check
+    python -m benchmarks.diurnal_trace            # both traces, every arm: ~15 minutes
+    python -m benchmarks.diurnal_trace --plot-only
+    python -m benchmarks.diurnal_trace --time-scale 0.1 --out /tmp/d.json   # a plumbing check
     # arms side by side, each in a process and Ray of its own on two cores of its own, then one result:
-    taskset -c 0,1 python benchmarks/diurnal_trace.py --arms diurnal:default --part a.json &
-    taskset -c 2,3 python benchmarks/diurnal_trace.py --arms diurnal:loraplex --part b.json &
-    wait; python benchmarks/diurnal_trace.py --merge a.json b.json
+    taskset -c 0,1 python -m benchmarks.diurnal_trace --arms diurnal:default --part a.json &
+    taskset -c 2,3 python -m benchmarks.diurnal_trace --arms diurnal:loraplex --part b.json &
+    wait; python -m benchmarks.diurnal_trace --merge a.json b.json
 
 Two traces: the diurnal one (240 s) and a ramp 2.7× as steep (90 s, the same peak). Arms:
 Ray Serve's defaults and loraplex's on both; on the diurnal trace also two leaner settings
@@ -49,12 +49,10 @@ import math
 import os
 import pathlib
 import random
-import sys
 import threading
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.diurnal_report import against_default, plot, summarize  # noqa: E402
+from benchmarks.diurnal_report import against_default, plot, summarize
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "diurnal_trace.json"
 DILATION = 20.0

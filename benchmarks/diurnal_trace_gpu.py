@@ -4,7 +4,7 @@ random-weight Llama, under loraplex's consolidating router and autoscaling polic
 shows the autoscaler and migration working on GPU replicas; the replica-seconds
 comparison against Ray Serve's defaults is the CPU run (benchmarks/diurnal_trace.py).
 
-    python benchmarks/diurnal_trace_gpu.py --out results.json     # on the GPU machine
+    python -m benchmarks.diurnal_trace_gpu --out results.json     # on the GPU machine
 
 A peak of 16 requests/s of 256 new tokens against 4 replicas of batch 4 outran a 225 s run
 on the H200 (no JSON); the defaults ask for 8 requests/s of 64 tokens at batch 8, which a
@@ -23,11 +23,9 @@ import datetime
 import functools
 import json
 import pathlib
-import sys
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.diurnal_trace import ADAPTERS, ZIPF, run_policy, trace  # noqa: E402
+from benchmarks.diurnal_trace import ADAPTERS, ZIPF, run_policy, trace
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_BATCH, REPLICAS, NEW_TOKENS, DISTINCT = 8, 4, 64, 8
@@ -64,8 +62,7 @@ def gpu_engine(model_dir: str, adapters: dict[str, str], settings):
     from app.engine.async_engine import AsyncEngine
     from app.engine.factory import build_engine
 
-    core = build_engine(model_dir, settings.engine, adapters, tokenizer=None)
-    return AsyncEngine(core, migrate_locally=settings.migrate_locally)
+    return AsyncEngine(build_engine(model_dir, settings.core_config, adapters, tokenizer=None))
 
 
 def gpu_replica(model_dir: pathlib.Path, adapters: dict[str, str]):

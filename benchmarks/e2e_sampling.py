@@ -1,7 +1,7 @@
 """Sampled decoding against greedy, end to end (benchmarks/e2e_throughput.py --sampling).
 
-On the device:  python benchmarks/e2e_throughput.py --sampling
-Anywhere:       python benchmarks/e2e_throughput.py --sampling --plot-only
+On the device:  python -m benchmarks.e2e_throughput --sampling
+Anywhere:       python -m benchmarks.e2e_throughput --sampling --plot-only
 
 Same engine, model (Llama-2-7B shape, random fp16) and adapters as e2e_throughput.py; 128 requests
 of 128 prompt / 128 new tokens queued at once; max batch 32 and 64; workloads backbone and distinct.

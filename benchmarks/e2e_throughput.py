@@ -1,9 +1,9 @@
 """Punica Fig. 11 on one GPU: end-to-end generation throughput of the engine by workload.
 
-On the device:  python benchmarks/e2e_throughput.py --out benchmarks/results/e2e_throughput_h200.json
-Other shapes:   python benchmarks/e2e_throughput.py --shape llama3-8b   (or qwen2.5-7b; JSON + PNG
+On the device:  python -m benchmarks.e2e_throughput --out benchmarks/results/e2e_throughput_h200.json
+Other shapes:   python -m benchmarks.e2e_throughput --shape llama3-8b   (or qwen2.5-7b; JSON + PNG
                 e2e_throughput_h200_<shape> unless --out says otherwise)
-Anywhere:       python benchmarks/e2e_throughput.py --plot-only
+Anywhere:       python -m benchmarks.e2e_throughput --plot-only
 Sampled decoding against greedy: --sampling (benchmarks/e2e_sampling.py)
 
 Llama-2-7B shape, random fp16 weights; rank-16 adapters on all seven projections (8 distinct
@@ -38,10 +38,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.hf_peers import hf_peers  # noqa: E402
-from benchmarks.method import copy_bandwidth, save_figure  # noqa: E402
-from benchmarks.step_profile import profile_breakdown  # noqa: E402
+from benchmarks.hf_peers import hf_peers
+from benchmarks.method import copy_bandwidth, save_figure
+from benchmarks.step_profile import profile_breakdown
 
 WORKLOADS = ("backbone", "identical", "uniform", "skewed", "distinct")
 KV_BLOCKS_PER_SEQ = 128  # 2048 tokens: room for the ShareGPT-like lengths

@@ -7,9 +7,9 @@ machine's other load comes and goes; `--engine simulated` swaps the model for
 benchmarks/simulated_engine.py (a 2 ms step that computes nothing), which isolates the path's own
 cost: the relay from the engine process is the one thing the two variants do differently there.
 
-    python benchmarks/engine_process_cpu.py                       # real model, ~6 min
-    python benchmarks/engine_process_cpu.py --engine simulated
-    python benchmarks/engine_process_cpu.py --plot-only
+    python -m benchmarks.engine_process_cpu                       # real model, ~6 min
+    python -m benchmarks.engine_process_cpu --engine simulated
+    python -m benchmarks.engine_process_cpu --plot-only
 
 Writes benchmarks/results/engine_process_cpu[_simulated].json + PNG. Each variant runs in its
 own process (a fresh Ray) with its own CPU seconds per 1,000 tokens for the replica and, with
@@ -30,10 +30,9 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from benchmarks.sse_load import completion_body, http_client, summarize  # noqa: E402
+from benchmarks.sse_load import completion_body, http_client, summarize
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 SETUP = {  # engine → (clients, max_tokens, warm-up s, measured s)
     "real": (8, 64, 10.0, 30.0),
@@ -120,7 +119,8 @@ def _child(engine: str, engine_process: bool) -> dict:
     out = pathlib.Path(tempfile.mkstemp(suffix=".json")[1])
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
     flag = "process" if engine_process else "in"
-    cmd = [sys.executable, __file__, "--variant", flag, "--engine", engine, "--out", str(out)]
+    variant = ["--variant", flag, "--engine", engine, "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.engine_process_cpu", *variant]
     subprocess.run(cmd, env=env, check=True, cwd=REPO)
     return json.loads(out.read_text())
 

@@ -1,7 +1,7 @@
 """fp8 base weights against bf16 in one run: engine decode throughput and accuracy (issue 48).
 
 On the device (H100 / H200; ~4 min on a fresh machine, most of it the kernels' first compile):
-    python benchmarks/fp8.py                  # → benchmarks/results/fp8_<gpu>.json + .png
+    python -m benchmarks.fp8                  # → benchmarks/results/fp8_<gpu>.json + .png
 CPU smoke run of the plumbing (a tiny shape, the CPU reference GEMM): --smoke. Anywhere: --plot-only.
 
 Speed: Llama-2-7B and Llama-3-8B shapes, random bf16 weights (benchmarks/e2e_throughput.py's
@@ -26,14 +26,12 @@ import json
 import pathlib
 import random
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import e2e_throughput as e2e  # noqa: E402
-from benchmarks import fp8_accuracy as acc  # noqa: E402
+from benchmarks import e2e_throughput as e2e
+from benchmarks import fp8_accuracy as acc
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 WORKLOADS = ("backbone", "distinct")

@@ -13,7 +13,7 @@ On the CPU the fp8 GEMM is its fp32 reference (ops/fp8.py: the same per-token ac
 per-channel weight rounding, fp32 accumulation): the same arithmetic as the GPU up to the order of
 the fp32 sums (tests/gpu/test_fp8_gpu.py bounds that), so the real checkpoint, which cannot travel
 to the device, is measured here:
-    python benchmarks/fp8_accuracy.py          # SmolLM2-135M-Instruct → results/fp8_accuracy_cpu.json
+    python -m benchmarks.fp8_accuracy          # SmolLM2-135M-Instruct → results/fp8_accuracy_cpu.json
 """
 
 import argparse
@@ -21,11 +21,8 @@ import dataclasses
 import datetime
 import json
 import pathlib
-import sys
 
 import torch
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 TOPICS = ("the moon", "bread", "rivers", "chess", "volcanoes", "bees", "trains", "winter")
 TEMPLATES = (

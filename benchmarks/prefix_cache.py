@@ -1,10 +1,10 @@
 """Prefix caching on one H200: a multi-tenant chat trace with the cache on and off, same run.
 
-On the device:  python benchmarks/prefix_cache.py --out $OUT/prefix_cache_h200.json   (default --out
+On the device:  python -m benchmarks.prefix_cache --out $OUT/prefix_cache_h200.json   (default --out
                 benchmarks/results/prefix_cache_h200.json; the .png lands beside it; the JSON records
                 each part's seconds, durations_s)
-Anywhere:       python benchmarks/prefix_cache.py --plot-only
-CPU smoke run:  python benchmarks/prefix_cache.py --smoke   (tiny random model, 4 tenants, short
+Anywhere:       python -m benchmarks.prefix_cache --plot-only
+CPU smoke run:  python -m benchmarks.prefix_cache --smoke   (tiny random model, 4 tenants, short
                 prompts: the plumbing end to end; JSON + PNG in /tmp unless --out says otherwise)
 
 Llama-2-7B shape, random fp16 weights; 32 tenants, each with its own rank-16 adapter (all seven
@@ -39,16 +39,14 @@ import itertools
 import json
 import pathlib
 import random
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import e2e_throughput as e2e  # noqa: E402
-from benchmarks.chat_trace import ChatTrace, capacity_prompts, conversations  # noqa: E402
-from benchmarks.method import save_figure  # noqa: E402
+from benchmarks import e2e_throughput as e2e
+from benchmarks.chat_trace import ChatTrace, capacity_prompts, conversations
+from benchmarks.method import save_figure
 
 TENANTS, SYSTEM, USER, NEW, BATCH = 32, 1024, 64, 128, 32
 # 32 running requests (76 blocks each; a 6-turn chat's last turn 136) + every tenant's prompt (64 each), with room

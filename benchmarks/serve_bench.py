@@ -1,8 +1,8 @@
 """`vllm bench serve` against this server, and the same requests through the engine alone.
 
-    source .device-wheels/install.sh && python benchmarks/serve_bench.py            # vLLM's default rows
-    python benchmarks/serve_bench.py --tiny                                       # plumbing, on the CPU
-    python benchmarks/serve_bench.py --plot-only
+    source .device-wheels/install.sh && python -m benchmarks.serve_bench            # vLLM's default rows
+    python -m benchmarks.serve_bench --tiny                                       # plumbing, on the CPU
+    python -m benchmarks.serve_bench --plot-only
 
 A random checkpoint of a real model's shape (fp16, HF layout, a word-level tokenizer with no
 EOS) and 32 random rank-16 PEFT adapters on all seven projections are written under /tmp
@@ -26,12 +26,11 @@ import itertools
 import json
 import math
 import pathlib
-import sys
 import time
+from dataclasses import replace
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import serve_throughput as st  # noqa: E402
-from benchmarks.serve_bench_core import (  # noqa: E402
+from benchmarks import serve_throughput as st
+from benchmarks.serve_bench_core import (
     Outcome,
     Req,
     chat_requests,
@@ -202,7 +201,8 @@ def engine_rows(a, settings, root: pathlib.Path, runs) -> list[dict]:
     from app.engine.factory import build_engine
 
     adapters = {f"a{k}": str(root / "adapters" / f"a{k}") for k in range(st.ADAPTERS)}
-    engine = AsyncEngine(build_engine(root / "model", settings.engine, adapters))
+    config = replace(settings.engine, requeue_preempted=True)  # one engine: nowhere to move a preempted request
+    engine = AsyncEngine(build_engine(root / "model", config, adapters))
     try:
         return asyncio.run(_run_all("engine", engine_send(engine), runs, a))
     finally:

@@ -4,9 +4,9 @@ real scheduler, a step that sleeps STEP_S, " <id>" per token), through the real 
 Serve's proxy and HTTP; before (BASE, run from a temporary `git worktree`) and after (this
 tree), in one invocation.
 
-    python benchmarks/serve_path.py              # ~4 × 60 s
-    python benchmarks/serve_path.py --plot-only
-    python benchmarks/serve_path.py --profile    # one round each under py-spy → serve_path_profile.json
+    python -m benchmarks.serve_path              # ~4 × 60 s
+    python -m benchmarks.serve_path --plot-only
+    python -m benchmarks.serve_path --profile    # one round each under py-spy → serve_path_profile.json
 
 Each variant runs in its own process with PYTHONPATH at its tree (Ray workers inherit it).
 Clients are closed-loop (benchmarks/sse_load.py): each keeps one streaming /v1/completions

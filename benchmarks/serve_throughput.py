@@ -1,7 +1,7 @@
 """The served path against the engine alone on one GPU (issue: HTTP ≥ 0.9× the engine).
 
-    source .device-wheels/install.sh && python benchmarks/serve_throughput.py   # on the H200, ~5 min
-    python benchmarks/serve_throughput.py --plot-only
+    source .device-wheels/install.sh && python -m benchmarks.serve_throughput   # on the H200, ~5 min
+    python -m benchmarks.serve_throughput --plot-only
 
 Writes a random Llama-2-7B-shape fp16 checkpoint in HF layout (no EOS: every request runs to
 max_tokens; a 32000-word tokenizer, so text is decoded per token as in production) and 32
@@ -23,11 +23,10 @@ import itertools
 import json
 import pathlib
 import random
-import sys
 import time
+from dataclasses import replace
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.sse_load import completion_body, http_client, summarize  # noqa: E402
+from benchmarks.sse_load import completion_body, http_client, summarize
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "serve_throughput_h200.json"
 CLIENTS, ADAPTERS, RANK, PROMPT, NEW = (1, 8, 32, 64), 32, 16, 128, 128
@@ -194,9 +193,8 @@ async def engine_rows(model: pathlib.Path, adapters: pathlib.Path, settings) -> 
     from app.engine.factory import build_engine
     from app.protocol import GenerateRequest, SamplingParams
 
-    engine = AsyncEngine(
-        build_engine(model, settings.engine, {f"a{k}": str(adapters / f"a{k}") for k in range(ADAPTERS)})
-    )
+    config = replace(settings.engine, requeue_preempted=True)  # one engine: nowhere to move a preempted request
+    engine = AsyncEngine(build_engine(model, config, {f"a{k}": str(adapters / f"a{k}") for k in range(ADAPTERS)}))
     ids = itertools.count()
 
     async def caller(workload, client, until, records, rng):

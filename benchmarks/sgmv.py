@@ -1,7 +1,7 @@
 """Punica Fig. 8/9 on one GPU: latency of one LoRA add-on (y += x A B) against batch size.
 
-On the device:  python benchmarks/sgmv.py --out benchmarks/results/sgmv_h200.json
-Anywhere:       python benchmarks/sgmv.py --plot-only [--peers ../shared/anchors/sgmv_peers_h200.json]
+On the device:  python -m benchmarks.sgmv --out benchmarks/results/sgmv_h200.json
+Anywhere:       python -m benchmarks.sgmv --plot-only [--peers ../shared/anchors/sgmv_peers_h200.json]
 The A100's kernels on this GPU: --arch 80 --out benchmarks/results/sgmv_h200_sm80.json
 vLLM's Triton kernels in the same run: --vllm (after `source .vllm-peer/install.sh` on the
 device; benchmarks/make-vllm-bundle.sh builds it here), column vllm_us.
@@ -23,15 +23,13 @@ import itertools
 import json
 import math
 import pathlib
-import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import sgmv_halves, vllm_peer  # noqa: E402
-from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph  # noqa: E402
-from ops import sgmv, sgmv_plan, sgmv_shapes  # noqa: E402
+from benchmarks import sgmv_halves, vllm_peer
+from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph
+from ops import sgmv, sgmv_plan, sgmv_shapes
 
 RANKS = (8, 16, 32, 64)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)

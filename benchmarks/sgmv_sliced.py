@@ -1,8 +1,8 @@
 """Fused projections: the LoRA add-ons of q|k|v (or gate|up) in one sliced launch, against one
 launch per member (what the model ran before add_lora_sliced).
 
-On the device:  python benchmarks/sgmv_sliced.py [--vllm] [--ranks 128] --out benchmarks/results/sgmv_sliced_h200.json
-Anywhere:       python benchmarks/sgmv_sliced.py --plot-only
+On the device:  python -m benchmarks.sgmv_sliced [--vllm] [--ranks 128] --out benchmarks/results/sgmv_sliced_h200.json
+Anywhere:       python -m benchmarks.sgmv_sliced --plot-only
 --vllm: vLLM's Triton kernels over the same members in the same run (one shrink and one expand
 over all slices, as vLLM runs a fused projection; see benchmarks/sgmv.py), column vllm_us.
 
@@ -17,17 +17,15 @@ import argparse
 import datetime
 import json
 import pathlib
-import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import vllm_peer  # noqa: E402
-from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph  # noqa: E402
-from benchmarks.sgmv import POOL, random_pool, request_adapters  # noqa: E402
-from ops import sgmv, sgmv_plan, sgmv_shapes  # noqa: E402
-from ops.lora import LoraSlice  # noqa: E402
+from benchmarks import vllm_peer
+from benchmarks.method import REPS, copy_bandwidth, latency_axes, save_figure, time_graph
+from benchmarks.sgmv import POOL, random_pool, request_adapters
+from ops import sgmv, sgmv_plan, sgmv_shapes
+from ops.lora import LoraSlice
 
 H_IN = 4096
 # members' output widths: Llama-2-7B q|k|v and gate|up, Llama-3-8B q|k|v (GQA)

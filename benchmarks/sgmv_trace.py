@@ -1,6 +1,6 @@
 """Where a fused SGMV add-on spends its time, phase by phase (device only).
 
-    python benchmarks/sgmv_trace.py [--out benchmarks/results/sgmv_trace_h200.json] [--define NAME ...]
+    python -m benchmarks.sgmv_trace [--out benchmarks/results/sgmv_trace_h200.json] [--define NAME ...]
         [--config RANK,BATCH ...] [--smem BYTES]
 
 Runs add_lora's kernel built with -DSGMV_TRACE (kernels/sgmv.cu): warp 0 of every
@@ -20,16 +20,14 @@ import argparse
 import json
 import math
 import pathlib
-import sys
 
 import numpy as np
 import torch
 from cuda.bindings import driver
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.method import time_graph  # noqa: E402
-from benchmarks.sgmv import Case, random_pool  # noqa: E402
-from ops import launch, nvrtc  # noqa: E402
+from benchmarks.method import time_graph
+from benchmarks.sgmv import Case, random_pool
+from ops import launch, nvrtc
 
 CONFIGS = [(16, 1), (16, 16), (16, 32), (16, 64), (32, 16), (32, 32), (64, 16), (64, 32)]  # (rank, batch), Distinct
 PHASES = (

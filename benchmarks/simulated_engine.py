@@ -186,4 +186,4 @@ def simulated_engine(step_time: StepTime, settings):
     """An engine_factory for LoraReplica (bind it with functools.partial)."""
     from app.engine.async_engine import AsyncEngine
 
-    return AsyncEngine(SimulatedCore(settings.engine, step_time), migrate_locally=settings.migrate_locally)
+    return AsyncEngine(SimulatedCore(settings.core_config, step_time))

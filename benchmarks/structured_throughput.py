@@ -3,8 +3,8 @@ JSON schema, with 25 % of them constrained, and with none, in one run; and the s
 
 On the device (once per machine: `../shared/device/make-bundle.sh llguidance==1.9.1`, carry
 .device-wheels, start with `source .device-wheels/install.sh`):
-    python benchmarks/structured_throughput.py                    # Llama-2-7B shape → structured_throughput_h200.*
-    python benchmarks/structured_throughput.py --shape llama3-8b  # the 128k vocabulary
+    python -m benchmarks.structured_throughput                    # Llama-2-7B shape → structured_throughput_h200.*
+    python -m benchmarks.structured_throughput --shape llama3-8b  # the 128k vocabulary
 CPU smoke run (a tiny random model of the same vocabulary size): --smoke. Anywhere: --plot-only.
 
 Engine alone (EngineCore.step loop), random fp16 weights of the shape (benchmarks/e2e_throughput.py),
@@ -33,17 +33,15 @@ import argparse
 import datetime
 import json
 import pathlib
-import sys
 import sysconfig
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks import e2e_throughput as e2e  # noqa: E402
-from benchmarks.method import save_figure  # noqa: E402
-from benchmarks.random_schemas import random_schemas  # noqa: E402
+from benchmarks import e2e_throughput as e2e
+from benchmarks.method import save_figure
+from benchmarks.random_schemas import random_schemas
 
 TINY = dict(vocab=32000, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, family="llama")
 VARIANTS = ("constrained", "unconstrained", "mix25")

@@ -1,7 +1,7 @@
 """Streams through redeploys, on real Ray Serve with the whole app (proxy, Ingress,
 registry, 3 LoraReplicas): nothing lost, nothing cut.
 
-    python benchmarks/upgrade_faults.py
+    python -m benchmarks.upgrade_faults
 
 A Poisson stream of streaming `/v1/completions` requests runs over HTTP while the
 application is redeployed twice: a config change (its args differ) and a model upgrade
@@ -26,11 +26,8 @@ import json
 import pathlib
 import random
 import socket
-import sys
 import tempfile
 import time
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 OUT = pathlib.Path(__file__).resolve().parent / "results" / "upgrade_faults.json"
 REPLICAS, MAX_BATCH, STEP_S, RATE = 3, 8, 0.02, 4.0

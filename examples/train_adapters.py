@@ -1,6 +1,6 @@
 """Train the three example LoRA adapters of the default model (SmolLM2-135M-Instruct).
 
-    python examples/train_adapters.py --out examples/adapters
+    python -m examples.train_adapters --out examples/adapters
 
 Everything is synthetic and deterministic (one --seed; the data: examples/adapter_data.py):
 
@@ -24,17 +24,14 @@ import argparse
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from app.model.default import DEFAULT_MODEL_NAME, default_model_dir  # noqa: E402
-from examples.adapter_data import (  # noqa: E402
+from app.model.default import DEFAULT_MODEL_NAME, default_model_dir
+from examples.adapter_data import (
     GENERAL_QUESTIONS,
     HELDOUT_FRENCH,
     HELDOUT_GENERAL,
@@ -278,7 +275,7 @@ def write_recipe(out: Path, results, base_samples, gen_secs, args):
         f"Base model: `{DEFAULT_MODEL_NAME}` (the project's default checkpoint, "
         "`app.model.default.default_model_dir()`). Regenerate with",
         "",
-        "    python examples/train_adapters.py --out examples/adapters",
+        "    python -m examples.train_adapters --out examples/adapters",
         "",
         f"(seed {args.seed}, `torch.set_num_threads({args.threads})`, CPU, fp32, PEFT "
         "`save_pretrained` → `adapter_config.json` + `adapter_model.safetensors`, fp32 weights).",

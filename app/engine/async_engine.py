@@ -117,8 +117,8 @@ class LocalAdapters:
 
 
 class AsyncEngine(EngineLoop):
-    def __init__(self, core: Core, migrate_locally: bool = True):
-        super().__init__(core, migrate_locally)
+    def __init__(self, core: Core):
+        super().__init__(core)
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Chunk]]] = defaultdict(list)
         self._callers = Callers()
         self.store = LocalAdapters(core.adapters)
@@ -195,10 +195,8 @@ class AsyncEngine(EngineLoop):
 
 def build_async_engine(settings) -> AsyncEngine:
     """The replica's engine from its settings (app/serving/replica.ReplicaSettings: model,
-    engine config, start-up adapters, adapter store config, migrate_locally)."""
+    its core's engine config, start-up adapters, adapter store config)."""
     from app.engine.factory import build_engine
 
-    core = build_engine(
-        settings.model, settings.engine, {s.name: s.path for s in settings.adapters}, store_config=settings.store
-    )
-    return AsyncEngine(core, migrate_locally=settings.migrate_locally)
+    adapters = {s.name: s.path for s in settings.adapters}
+    return AsyncEngine(build_engine(settings.model, settings.core_config, adapters, store_config=settings.store))

@@ -23,6 +23,9 @@ class EngineConfig:
     prefix_caching: bool = True  # share full KV blocks of equal (weights, token prefix) across requests
     prefix_cache_max_blocks: int | None = None  # unreferenced cached blocks kept at most (None: any free block)
     quantization: str | None = None  # "fp8": fp8 base projections (app/model/quantization.py)
+    # a preempted request goes back to the front of the waiting queue, recomputed when re-admitted (a lone
+    # replica: nowhere to move it); off: it leaves its stream with a Migrate, to be resumed elsewhere
+    requeue_preempted: bool = False
     engine_process: bool = False  # the engine loop in a child process of its replica (app/engine/process_engine.py)
     gpu_memory_utilization: float = 0.9  # auto KV: the share of the GPU's memory the replica may fill
     # every op reduces in a batch-independent order (app/engine/determinism.py); off: the libraries' choices

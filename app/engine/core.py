@@ -10,6 +10,7 @@ from app.engine.config import EngineConfig
 from app.engine.detokenizer import Detokenizer
 from app.engine.engine_stats import EngineReport, EngineStats
 from app.engine.grammar import GrammarError, Grammars
+from app.engine.interface import Model
 from app.engine.kv_cache import BlockAllocator, allocate_kv
 from app.engine.prefix_cache import PrefixCache, model_key
 from app.engine.prompt_logprobs import wanted
@@ -23,7 +24,7 @@ from ops.lora import prepare as prepare_lora_kernels
 
 
 class EngineCore:
-    def __init__(self, model, adapters, tokenizer, config: EngineConfig):
+    def __init__(self, model: Model, adapters, tokenizer, config: EngineConfig):
         self.model = model
         self.adapters = adapters
         self.tokenizer = tokenizer
@@ -249,5 +250,5 @@ class EngineCore:
     def failure(self) -> str | None:
         """Why this engine can serve nothing more (None: it can): only the tensor-parallel model
         (app/engine/tp/model.py) can fall out of step, in a failed step."""
-        broken = getattr(self.model, "broken", None)  # a single-GPU model has no shards to lose
+        broken = self.model.broken
         return None if broken is None else f"tensor-parallel shards out of step: {broken}"

@@ -73,8 +73,8 @@ class Sender:
 class ProcessLoop(EngineLoop):
     """The loop whose output is one message per step on the pipe."""
 
-    def __init__(self, core: Core, migrate_locally: bool, out: Sender):
-        super().__init__(core, migrate_locally)
+    def __init__(self, core: Core, out: Sender):
+        super().__init__(core)
         self.out = out
         self._chunks: list[tuple] = []
         self._accepts: list[tuple[str, bytes | None]] = []
@@ -235,7 +235,7 @@ def main(conn, engine_factory, settings, parent_pid: int) -> None:
     try:
         engine = engine_factory(settings)
         engine.shutdown()
-        loop = ProcessLoop(engine.core, engine.migrate_locally, out)
+        loop = ProcessLoop(engine.core, out)
     except BaseException:
         out.send(wire.Failed(traceback.format_exc()))
         return

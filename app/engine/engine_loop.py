@@ -67,12 +67,10 @@ def report(core: Core) -> EngineReport:
 
 
 class EngineLoop(abc.ABC):
-    def __init__(self, core: Core, migrate_locally: bool = True):
-        """migrate_locally: a preempted request is re-queued by the core's scheduler (front of the
-        queue, recomputed) instead of ending its stream with a Migrate chunk for the caller to re-route."""
+    def __init__(self, core: Core):
+        """A preempted request is re-queued by the core's scheduler when the core was built with
+        EngineConfig.requeue_preempted, else its stream ends with a Migrate for the caller to re-route."""
         self.core = core
-        self.migrate_locally = migrate_locally
-        core.scheduler.requeue_preempted = migrate_locally
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._streams: dict[str, StreamState] = {}
         self._wake = threading.Event()

@@ -6,6 +6,8 @@ satisfy them (tests/unit/test_engine_interface.py checks the signatures):
   ProcessEngine (app/engine/process_engine.py, the loop in a child process).
 - Core: EngineCore (app/engine/core.py, the model) and SimulatedCore
   (benchmarks/simulated_engine.py: the real scheduler, no model), run by either Engine.
+- Model: LlamaModel (app/model/llama.py, one device) and TensorParallelModel
+  (app/engine/tp/model.py, shards across GPUs), driven by EngineCore.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Protocol, runtime_checkable
 
+import torch
+
 from app.engine.engine_stats import EngineReport, EngineStats
 from app.engine.scheduler import Scheduler
 from app.engine.telemetry import TelemetryBatch
+from app.model.config import ModelConfig
+from app.model.inputs import StepInputs
 from app.protocol import Chunk, GenerateRequest, Migrate
 
 
@@ -100,7 +106,7 @@ class Core(Protocol):
 
     adapters: AdapterLookup
     grammars: GuideCompiler
-    scheduler: Scheduler  # requeue_preempted is set by the loop: a lone replica recomputes here
+    scheduler: Scheduler  # its config's requeue_preempted: a lone replica recomputes a preempted request here
     idle: bool  # the latest step ran nothing (waiting for adapter copies or KV)
     last_batch_size: int  # requests in the latest forward pass
     last_preempted: int  # requests the latest step preempted
@@ -122,3 +128,16 @@ class Core(Protocol):
     def report(self) -> EngineReport: ...
 
     def failure(self) -> str | None: ...
+
+
+@runtime_checkable
+class Model(Protocol):
+    """The model an EngineCore drives (its forward, run by app/engine/runner.py)."""
+
+    cfg: ModelConfig  # a tensor-parallel model's is its shard's: KV heads per GPU
+    lora_pool: object  # its adapter slots (adapters_store/gpu_pool.py); None: no adapters
+    dtype: torch.dtype
+    broken: BaseException | None  # the failed step that left tensor-parallel shards out of step; None on one GPU
+
+    def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Logits [n, vocab] (fp32) for ``inp.sample_rows``; writes this step's KV into kv_caches."""

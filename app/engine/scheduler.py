@@ -1,8 +1,8 @@
 """Continuous batching: FCFS admission bounded by batch size, tokens per step,
 free KV blocks and adapter slots; preempt the newest request when KV runs out (cached
 prefix blocks count as free: they are evicted first). A preempted request goes back to the
-front of the waiting queue to be recomputed (``requeue_preempted``: a lone replica, nowhere to
-move it; nano-vllm's ``preempt()``), else leaves in ``Schedule.preempted`` to move elsewhere. A request admitted with a cached
+front of the waiting queue to be recomputed (``EngineConfig.requeue_preempted``: a lone replica,
+nowhere to move it; nano-vllm's ``preempt()``), else leaves in ``Schedule.preempted`` to move elsewhere. A request admitted with a cached
 prefix (app/engine/prefix_cache.py) starts with those blocks, its prefill after them.
 A request whose adapter finds every slot pinned waits without blocking others,
 until it has waited MAX_SLOT_WAIT_STEPS schedules (aging, see ``_starving``).
@@ -55,7 +55,6 @@ class Scheduler:
         self.allocator = allocator
         self.pool = pool
         self.prefix = prefix
-        self.requeue_preempted = False  # True: a preempted request waits here to be recomputed
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first
         self._clock = 0  # schedules so far
@@ -153,7 +152,7 @@ class Scheduler:
         self.running.remove(seq)
         out.scheduled = [(s, n) for s, n in out.scheduled if s is not seq]
         self.free(seq)
-        if self.requeue_preempted:  # its tokens so far stay: recomputed as one prefill when it is re-admitted
+        if self.config.requeue_preempted:  # its tokens so far stay: recomputed as one prefill when it is re-admitted
             self.waiting.appendleft(seq)
             out.requeued.append(seq)
         else:

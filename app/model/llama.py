@@ -20,6 +20,8 @@ from ops.rope import rope_and_cache, rope_cos_sin
 
 
 class LlamaModel:
+    broken: BaseException | None = None  # one GPU has no shards to fall out of step (app/engine/tp/model.py's can)
+
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, lora_pool=None, reduce=None):
         """reduce(y) → y: sums the o and down outputs over tensor-parallel shards (LoRA add-on
         included, see app/engine/tp/sharding.py); None on a single GPU."""

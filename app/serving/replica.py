@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ray import serve
 
@@ -41,6 +41,11 @@ class ReplicaSettings:
     adapters: tuple[AdapterSpec, ...]  # registered at start-up
     migrate_locally: bool = True  # a preempted request re-queues here; False: it moves to another replica
     store: StoreConfig = StoreConfig()  # adapter tiers' budgets and the on-demand source
+
+    @property
+    def core_config(self) -> EngineConfig:
+        """The config its engine's core is built with: migrate_locally as the scheduler's requeue_preempted."""
+        return replace(self.engine, requeue_preempted=self.migrate_locally)
 
 
 def start_engine(settings: ReplicaSettings, engine_factory: Callable, on_death: Callable[[str], None]) -> Engine:

@@ -103,7 +103,7 @@ def unmatched(text: str, results: pathlib.Path = RESULTS) -> list[str]:
 
 
 def test_generated_results_blocks_are_current():
-    assert results_table.stale() == [], "run: python benchmarks/results_table.py"
+    assert results_table.stale() == [], "run: python -m benchmarks.results_table"
 
 
 def test_every_figure_that_names_a_result_file_is_in_that_file():

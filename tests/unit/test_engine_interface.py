@@ -1,5 +1,5 @@
-"""The engine's written interface (app/engine/interface.py): both engines and both cores satisfy
-it, by name and by signature; typed stats keep their JSON form."""
+"""The engine's written interface (app/engine/interface.py): both engines, both cores and both
+models satisfy it, by name and by signature; typed stats keep their JSON form."""
 
 import inspect
 
@@ -10,8 +10,10 @@ from app.engine.config import EngineConfig
 from app.engine.core import EngineCore
 from app.engine.engine_stats import EngineReport, EngineStats
 from app.engine.factory import build_engine
-from app.engine.interface import Core, Engine
+from app.engine.interface import Core, Engine, Model
 from app.engine.process_engine import ProcessEngine
+from app.engine.tp.model import TensorParallelModel
+from app.model.llama import LlamaModel
 from benchmarks.simulated_engine import SimulatedCore, StepTime
 
 
@@ -48,15 +50,21 @@ def test_both_cores_have_the_core_interface(cls):
     _assert_implements(cls, Core)
 
 
+@pytest.mark.parametrize("cls", [LlamaModel, TensorParallelModel])
+def test_both_models_have_the_model_interface(cls):
+    _assert_implements(cls, Model)
+
+
 def test_instances_satisfy_the_protocols(tiny_model_dir):
     config = EngineConfig(num_kv_blocks=16, block_size=4)
     cores = [SimulatedCore(config, StepTime(0.0)), build_engine(tiny_model_dir, config, tokenizer=None)]
     for core in cores:
         assert isinstance(core, Core)
-        engine = AsyncEngine(core, migrate_locally=False)
+        if isinstance(core, EngineCore):  # the simulated core has no model
+            assert isinstance(core.model, Model) and core.model.broken is None
+        engine = AsyncEngine(core)
         try:
             assert isinstance(engine, Engine)
-            assert core.scheduler.requeue_preempted is False  # the loop told its scheduler
             report = engine.stats().result(timeout=30)
             assert isinstance(report, EngineReport) and report.stats.total_kv_blocks == 16
             stats, _ = engine.metrics_sample()

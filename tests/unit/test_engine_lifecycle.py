@@ -60,8 +60,7 @@ def test_preempted_requests_resume_exactly(tiny_model_dir, adapter_dir, params):
     assert tight.allocator.num_free == 40 and not tight.has_work()
 
     # nowhere to move them (a lone replica): the scheduler requeues them itself, as nano-vllm's preempt()
-    requeuing = _engine(tiny_model_dir, adapter_dir, num_kv_blocks=40)
-    requeuing.scheduler.requeue_preempted = True
+    requeuing = _engine(tiny_model_dir, adapter_dir, num_kv_blocks=40, requeue_preempted=True)
     outputs_at_preemption = []
     preempt = requeuing.scheduler._preempt
     requeuing.scheduler._preempt = lambda seq, out: (

@@ -166,7 +166,7 @@ def test_async_engine_streams_every_choice_once(tiny_model_dir, adapter_dir):
     """Through the async engine (local migration on a small cache): one stream, each choice ending once."""
     rng = random.Random()
     request = _request(rng, 3, 15, "a1", max_tokens=20, min_tokens=20)
-    engine = AsyncEngine(_engine(tiny_model_dir, adapter_dir, num_kv_blocks=16))
+    engine = AsyncEngine(_engine(tiny_model_dir, adapter_dir, num_kv_blocks=16, requeue_preempted=True))
 
     async def go():
         return [item async for item in engine.generate(request)]

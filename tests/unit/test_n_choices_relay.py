@@ -266,7 +266,7 @@ def test_choices_moved_by_the_ingress_equal_their_seeds_alone(tiny_model_dir):
             n=3,
         )
     )
-    small = AsyncEngine(engine(17), migrate_locally=False)
+    small = AsyncEngine(engine(17))
     submitted = []
 
     def submit(r):

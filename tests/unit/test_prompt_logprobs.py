@@ -81,9 +81,8 @@ def test_prompt_logprobs_refused_for_several_choices(tiny_model_dir):
 def test_a_request_requeued_mid_prefill_reports_each_prompt_logprob_once(tiny_model_dir):
     """Preempted while its prompt is half computed, and requeued by the scheduler (a lone replica):
     its prompt logprobs are computed again from the start, not appended to the first attempt's."""
-    cfg = EngineConfig(num_kv_blocks=13, block_size=4, max_tokens_per_step=16)
+    cfg = EngineConfig(num_kv_blocks=13, block_size=4, max_tokens_per_step=16, requeue_preempted=True)
     engine = build_engine(tiny_model_dir, cfg, tokenizer=None)
-    engine.scheduler.requeue_preempted = True
     prompt = tuple((7 * i + 3) % 320 for i in range(37))  # 10 blocks with its first token
     # the older request fills 3 blocks and grows: the newer one is preempted before its prompt is done
     older = GenerateRequest("older", tuple(range(12)), SamplingParams(max_tokens=6, temperature=0.0))

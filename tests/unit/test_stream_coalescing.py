@@ -200,8 +200,8 @@ def test_a_move_in_the_middle_of_a_coalesced_item_resumes_exactly(model, alone, 
     source = build_engine(model, CONFIG, {})
     gate = _gated(source, 8)
     engines = {
-        "A": AsyncEngine(source, migrate_locally=False),
-        "B": AsyncEngine(build_engine(model, CONFIG, {}), migrate_locally=False),
+        "A": AsyncEngine(source),
+        "B": AsyncEngine(build_engine(model, CONFIG, {})),
     }
     order = iter("AB")
     submitted = []

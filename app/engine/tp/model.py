@@ -55,14 +55,14 @@ class TensorParallelModel:
             local.lora_pool,
             local.dtype,
         )  # the shard's shape: KV is per shard
-        self.broken: BaseException | None = None
+        self.broken: BaseException | None = None  # the failed step that left the ranks out of step
 
-    def forward(self, inputs, kv_caches) -> torch.Tensor:
+    def forward(self, inp, kv_caches) -> torch.Tensor:
         if self.broken is not None:
             raise RuntimeError(f"tensor-parallel ranks are out of step since a failed step ({self.broken})")
         try:
-            self.channel.send_step(inputs)
-            return self.local.forward(inputs, kv_caches)
+            self.channel.send_step(inp)
+            return self.local.forward(inp, kv_caches)
         except BaseException as exc:
             self.broken = exc
             raise
