@@ -79,7 +79,7 @@ async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float
     from app.openai.live_streams import LiveStreams
     from app.protocol import GenerateRequest, SamplingParams
     from benchmarks.simulated_engine import simulated_token
-    from cluster.router import register_streams
+    from cluster.leaving import register_streams
 
     live_streams = LiveStreams()  # as the ingress's: told by this process's routers of replicas leaving
     register_streams(live_streams)

@@ -50,7 +50,7 @@ async def run_router(router: str, arrivals: list[float], seed: int) -> dict:
     from app.serving.config import parse_args
     from app.serving.replica import LoraReplica, ReplicaSettings
     from benchmarks.simulated_engine import StepTime, simulated_engine, simulated_token
-    from cluster.router import register_streams
+    from cluster.leaving import register_streams
 
     app = f"routing-{router}"
     live = LiveStreams()  # as the ingress's: told by this process's routers of replicas leaving

@@ -180,7 +180,7 @@ async def run_policy(
     from app.openai.client_stream import MigrationPolicy, ResubmittingStream
     from app.openai.live_streams import LiveStreams
     from app.protocol import GenerateRequest, SamplingParams
-    from cluster.router import busy_releases, register_streams
+    from cluster.leaving import busy_releases, register_streams
 
     app = app or f"diurnal-{policy}"
     cut = len(busy_releases())

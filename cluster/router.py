@@ -21,8 +21,9 @@ the oldest waiting request need not hold a routing task.
 A replica that leaves the running set while requests routed to it are unfinished, and was
 not seen to die, was released busy: `loraplex_autoscaler_busy_releases` counts it (its
 streams move to other replicas: the router tells the object registered with
-`register_streams`, app/openai/live_streams.py). The autoscaler (cluster/autoscaling.py)
-is built so that it stays 0.
+cluster/leaving.py `register_streams`, app/openai/live_streams.py). The autoscaler
+(cluster/autoscaling.py) is built so that it stays 0. That process-level state lives in
+cluster/leaving.py, not here: Serve pickles this module by value (see there).
 
 `rank` is the whole policy as a pure function (tested without Ray) of the replicas' views
 and the request's `RoutingKey` (cluster/routing_key.py); `ConsolidatingRouter` feeds it
@@ -36,42 +37,15 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Protocol
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from cluster.leaving import record_busy_release, replicas_left
 from cluster.routing_key import RoutingKey, routing_key_of
 from cluster.stats import ARRIVALS_WINDOW_S, ReplicaStats
 
 log = logging.getLogger("ray.serve")
-
-
-_busy_releases: list[tuple[float, str, int]] = []  # (when, replica, unfinished requests), this process
-
-
-class StreamsByReplica(Protocol):
-    """The caller's side of the replica calls: what moves the streams of replicas that leave."""
-
-    def replicas_leaving(self, replica_ids: set[str]) -> None:
-        """Called on the router's event loop, not the caller's."""
-
-
-_streams: StreamsByReplica | None = None  # the one registered (register_streams)
-
-
-def busy_releases() -> list[tuple[float, str, int]]:
-    """Every busy release the routers of this process saw: (when, replica id, requests cut)."""
-    return list(_busy_releases)
-
-
-def register_streams(streams: StreamsByReplica | None) -> None:
-    """The object every router of this process tells of replicas leaving the running set (None:
-    none). Per process, not per router: Serve builds a router itself, inside the caller's
-    process, from the deployment's `request_router_class`, so the caller (the Ingress,
-    app/openai/live_streams.py) cannot hand it one. A later call replaces the earlier."""
-    global _streams
-    _streams = streams
 
 
 @dataclass(frozen=True)
@@ -255,15 +229,15 @@ class ConsolidatingRouter(RequestRouter):
             self._sent.pop(rid, None)
             self._ended.pop(rid, None)
         self._routed_ids = {k: c for k, c in self._routed_ids.items() if c[0] not in gone}
-        if gone and _streams is not None:  # stopped by a scale-down (or dead): streams still on them move now
-            _streams.replicas_leaving(gone)
+        if gone:  # stopped by a scale-down (or dead): streams still on them move now
+            replicas_left(gone)
 
     def _count_busy_releases(self, gone: set[str]) -> None:
         """A replica that left holding requests this router sent it, not seen dead: released busy."""
         for rid in gone - self._died:
             cut = sum(1 for r, _ in self._routed_ids.values() if r == rid)
             if cut:
-                _busy_releases.append((time.time(), rid, cut))
+                record_busy_release(rid, cut)
                 self._busy_releases.inc()
                 log.warning("replica %s left the running set with %d request(s) routed to it unfinished", rid, cut)
         self._died -= gone

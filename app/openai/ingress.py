@@ -49,7 +49,7 @@ from app.openai.tool_calls.choice import ToolPlan, ToolSupport
 from app.protocol import GenerateRequest
 from app.serving.config import Settings
 from app.serving.registry import AdapterSpec
-from cluster.router import register_streams
+from cluster.leaving import register_streams
 
 api = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
 http_errors.install(api)

@@ -3,7 +3,7 @@ replica leaves the running set.
 
 One `LiveStreams` per ingress process: the Ingress makes it, passes it to every
 ResubmittingStream it opens (app/openai/client_stream.py) and registers it with the routers
-of its process (`cluster.router.register_streams`). A router that sees replicas leave (a
+of its process (`cluster.leaving.register_streams`). A router that sees replicas leave (a
 scale-down stops them) calls `replicas_leaving` on its own event loop, in another thread: the
 map is guarded by a lock, and each stream is stopped on its own loop (`call_soon_threadsafe`),
 where it cancels the replica call and re-submits before the replica dies."""

@@ -9,7 +9,7 @@ from app.engine.factory import build_engine
 from app.openai.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
 from app.openai.live_streams import LiveStreams
 from app.protocol import GenerateRequest, SamplingParams, TokenChunk
-from cluster.router import register_streams
+from cluster.leaving import register_streams
 from tests.support.app_fixtures import wait_for
 from tests.support.cluster_fixtures import replica_ids, replica_report
 
