@@ -10,6 +10,7 @@ from ray.exceptions import ActorDiedError
 from app.openai.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
 from app.openai.live_streams import LiveStreams
 from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, SamplingParams, TokenChunk
+from cluster.leaving import register_streams
 from cluster.router import Policy, ReplicaView, key_of, rank
 from cluster.routing_key import RoutingKey
 from cluster.stats import ReplicaStats, arrival_key, prefix_head
@@ -124,6 +125,26 @@ def test_stats_round_trip_and_unknown():
     s = stats(2, 1, adapters=["x"])
     assert ReplicaStats.from_dict(s.to_dict()) == s and s.batch == 3
     assert ReplicaStats.from_dict({}) is None and ReplicaStats.from_dict({"running": 1}) is None
+
+
+def test_the_router_serve_ships_tells_this_process_registered_streams():
+    """Serve pickles the router's module by value (its globals are copies): what it calls on
+    replicas leaving must still reach the object registered in this process."""
+    from ray.serve.config import RequestRouterConfig
+
+    shipped = RequestRouterConfig(request_router_class="cluster.router:ConsolidatingRouter").get_request_router_class()
+    told = []
+
+    class Streams:
+        def replicas_leaving(self, replica_ids):
+            told.append(replica_ids)
+
+    register_streams(Streams())
+    try:
+        shipped.update_replicas.__globals__["replicas_left"]({"a"})
+    finally:
+        register_streams(None)
+    assert told == [{"a"}]
 
 
 # -- ResubmittingStream against scripted replicas ------------------------------------
