@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 
 from app.errors import InvalidRequestError
+from cluster.routing_key import RoutingKey
+from cluster.stats import arrival_key, prefix_head
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,9 @@ class GenerateRequest:
     (before a migration): they are recomputed by prefill, count towards
     max_tokens / min_tokens and take part in stop-string matching, but are not
     streamed again; ``resume_text_chars`` of their text already reached the
-    client (None: all of it). The router reads ``avoid_replicas`` (never these:
-    they failed) and ``migrated_from`` (not this one while another has room)."""
+    client (None: all of it). The router reads its ``routing_key()``: among it
+    ``avoid_replicas`` (never these: they failed) and ``migrated_from`` (not this
+    one while another has room)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -101,6 +104,19 @@ class GenerateRequest:
         """Its j-th choice as a request of its own: what that choice equals, token for token."""
         seed = None if self.params.seed is None else choice_seed(self.params.seed, j)
         return dataclasses.replace(self, params=dataclasses.replace(self.params, seed=seed), n=1, index=self.index + j)
+
+    def routing_key(self) -> RoutingKey:
+        """What it asks of a replica (cluster/routing_key.py): this submission's prompt and
+        resumed tokens, KV blocks for its n choices, its adapter and prefix head, where not to go."""
+        return RoutingKey(
+            len(self.prompt_token_ids) + len(self.resume_token_ids) + 1,
+            arrival_key(self.request_id, len(self.resume_token_ids)),
+            self.adapter,
+            prefix_head(self.adapter, self.prompt_token_ids),
+            frozenset(self.avoid_replicas),
+            self.migrated_from,
+            self.n,
+        )
 
     def resumed(self, migrate: Migrate) -> GenerateRequest:
         """The request to re-submit after ``migrate``: same id and params, the choice it ended,

@@ -73,9 +73,13 @@ def replica_reports(app: str) -> list[dict]:
 
 async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float, disconnect: float, seed: int):
     from app.openai.client_stream import MigrationPolicy, ResubmittingStream
+    from app.openai.live_streams import LiveStreams
     from app.protocol import GenerateRequest, SamplingParams
     from benchmarks.simulated_engine import simulated_token
+    from cluster.leaving import register_streams
 
+    live_streams = LiveStreams()  # as the ingress's: told by this process's routers of replicas leaving
+    register_streams(live_streams)
     live: dict[str, str] = {}  # request id → its replica now
     kills: list[str] = []
     timeline: list[tuple[float, str]] = []  # (seconds from start, "kill" | a move's reason)
@@ -108,7 +112,7 @@ async def run(app: str, submit, arrivals, kills_wanted: int, kill_every_s: float
         request = GenerateRequest(f"{app}-{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, seed=i))
         tokens, ends, seen, last = [], 0, [], None
         policy = MigrationPolicy(max_migrations=64, failover_wait_s=FAILOVER_WAIT_S)
-        stream = await ResubmittingStream.open(submit, request, policy)
+        stream = await ResubmittingStream.open(submit, request, policy, live_streams)
         chunks = stream.chunks()
         async for chunk in chunks:
             moved = stream.moves[len(seen) :]

@@ -43,12 +43,16 @@ async def run_router(router: str, arrivals: list[float], seed: int) -> dict:
 
     from app.engine.config import EngineConfig
     from app.openai.client_stream import MigrationPolicy, ResubmittingStream
+    from app.openai.live_streams import LiveStreams
     from app.protocol import GenerateRequest, SamplingParams
     from app.serving.config import parse_args
     from app.serving.replica import LoraReplica, ReplicaSettings
     from benchmarks.simulated_engine import StepTime, simulated_engine, simulated_token
+    from cluster.leaving import register_streams
 
     app = f"routing-{router}"
+    live = LiveStreams()  # as the ingress's: told by this process's routers of replicas leaving
+    register_streams(live)
     args = {
         "max_batch_size": MAX_BATCH,
         "num_kv_blocks": 128,
@@ -79,7 +83,7 @@ async def run_router(router: str, arrivals: list[float], seed: int) -> dict:
         sent, times, tokens, moves = time.time(), [], [], []
         try:
             stream = await ResubmittingStream.open(
-                submit, request, MigrationPolicy(max_migrations=8, failover_wait_s=60)
+                submit, request, MigrationPolicy(max_migrations=8, failover_wait_s=60), live
             )
             async for chunk in stream.chunks():
                 if getattr(chunk, "token_ids", None):

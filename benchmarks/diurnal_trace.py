@@ -186,11 +186,14 @@ async def run_policy(
     from ray import serve
 
     from app.openai.client_stream import MigrationPolicy, ResubmittingStream
+    from app.openai.live_streams import LiveStreams
     from app.protocol import GenerateRequest, SamplingParams
-    from cluster.router import busy_releases
+    from cluster.leaving import busy_releases, register_streams
 
     app = app or f"diurnal-{policy}"
     cut = len(busy_releases())
+    live = LiveStreams()  # as the ingress's: told by this process's routers of replicas leaving
+    register_streams(live)
     serve.run(replica, name=app, route_prefix=None)
     handle = serve.get_deployment_handle("LoraReplica", app).options(stream=True)
     submit = lambda r: handle.generate.remote(r, None, 0)  # noqa: E731
@@ -211,7 +214,7 @@ async def run_policy(
         sent, times, tokens, moves, ok = time.time(), [], 0, [], False
         try:
             stream = await ResubmittingStream.open(
-                submit, request, MigrationPolicy(max_migrations=8, failover_wait_s=60)
+                submit, request, MigrationPolicy(max_migrations=8, failover_wait_s=60), live
             )
             async for chunk in stream.chunks():
                 if getattr(chunk, "token_ids", None):

@@ -20,11 +20,14 @@ the oldest waiting request need not hold a routing task.
 
 A replica that leaves the running set while requests routed to it are unfinished, and was
 not seen to die, was released busy: `loraplex_autoscaler_busy_releases` counts it (its
-streams move to other replicas, app/openai/client_stream.py). The autoscaler
-(cluster/autoscaling.py) is built so that it stays 0.
+streams move to other replicas: the router tells the object registered with
+cluster/leaving.py `register_streams`, app/openai/live_streams.py). The autoscaler
+(cluster/autoscaling.py) is built so that it stays 0. That process-level state lives in
+cluster/leaving.py, not here: Serve pickles this module by value (see there).
 
-`rank` is the whole policy as a pure function (tested without Ray);
-`ConsolidatingRouter` feeds it from Serve and follows its order.
+`rank` is the whole policy as a pure function (tested without Ray) of the replicas' views
+and the request's `RoutingKey` (cluster/routing_key.py); `ConsolidatingRouter` feeds it
+from Serve and follows its order.
 """
 
 from __future__ import annotations
@@ -33,30 +36,16 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from cluster.stats import ARRIVALS_WINDOW_S, ReplicaStats, arrival_key, prefix_head
+from cluster.leaving import record_busy_release, replicas_left
+from cluster.routing_key import RoutingKey, routing_key_of
+from cluster.stats import ARRIVALS_WINDOW_S, ReplicaStats
 
 log = logging.getLogger("ray.serve")
-
-
-_leaving_listeners: list[Callable[[set[str]], None]] = []
-_busy_releases: list[tuple[float, str, int]] = []  # (when, replica, unfinished requests), this process
-
-
-def busy_releases() -> list[tuple[float, str, int]]:
-    """Every busy release the routers of this process saw: (when, replica id, requests cut)."""
-    return list(_busy_releases)
-
-
-def on_replicas_leaving(listener: Callable[[set[str]], None]) -> None:
-    """Call ``listener(replica ids)`` whenever a router in this process sees replicas leave
-    the running set: the caller's side (app/openai/client_stream.py) moves their streams."""
-    _leaving_listeners.append(listener)
 
 
 @dataclass(frozen=True)
@@ -77,30 +66,13 @@ class ReplicaView:
 
 
 @dataclass(frozen=True)
-class Need:
-    """What one request asks of a replica."""
-
-    tokens: int  # prompt + resumed tokens + the next one
-    key: str = ""  # arrival_key: how the replica's report names this submission
-    adapter: str | None = None
-    head: str | None = None  # prefix_head of its prompt (None: too short to name one)
-    avoid: frozenset[str] = frozenset()  # failed replicas: never
-    migrated_from: str | None = None  # its previous replica: only if no other has room
-    rows: int = 1  # batch rows: its choices (n), which share the prompt's full blocks
-
-    def blocks(self, block_size: int) -> int:
-        """The prompt's blocks, and a tail block of its own for every further choice."""
-        return math.ceil(self.tokens / block_size) + self.rows - 1
-
-
-@dataclass(frozen=True)
 class Policy:
     reserve_blocks: int = 1  # free KV blocks a replica must keep beyond the prompt's
     max_batch: int = 16  # assumed for a replica that has not reported yet
     block_size: int = 16  # likewise
 
 
-def _room(v: ReplicaView, need: Need, p: Policy) -> bool:
+def _room(v: ReplicaView, need: RoutingKey, p: Policy) -> bool:
     s = v.stats
     if s is None:
         return v.sent + need.rows <= p.max_batch
@@ -111,7 +83,7 @@ def _room(v: ReplicaView, need: Need, p: Policy) -> bool:
     )
 
 
-def _key(v: ReplicaView, need: Need, newest: str | None):
+def _key(v: ReplicaView, need: RoutingKey, newest: str | None):
     s = v.stats
     batch = v.sent + (s.batch if s else 0)
     resident = bool(s and need.adapter and need.adapter in s.resident_adapters)
@@ -125,7 +97,7 @@ def next_to_stop(views: list[ReplicaView]) -> str | None:
     return max(serving, key=ReplicaView.age).replica_id if len(serving) > 1 else None
 
 
-def rank(views: list[ReplicaView], need: Need, policy: Policy) -> list[str]:
+def rank(views: list[ReplicaView], need: RoutingKey, policy: Policy) -> list[str]:
     """Replica ids with room for ``need``, best first (empty: the request must wait)."""
     roomy = [v for v in views if v.replica_id not in need.avoid and _room(v, need, policy)]
     elsewhere = [v for v in roomy if v.replica_id != need.migrated_from]
@@ -155,20 +127,9 @@ def undeparted(
     return [e for e in ended if e[1] not in gone and e[0] >= stats.arrivals_since]
 
 
-def need_of(pending: PendingRequest | None, policy: Policy) -> Need:
-    """The GenerateRequest is the first argument of LoraReplica.generate."""
-    request = pending.args[0] if pending is not None and pending.args else None
-    if request is None or not hasattr(request, "prompt_token_ids"):
-        return Need(tokens=1)
-    return Need(
-        len(request.prompt_token_ids) + len(request.resume_token_ids) + 1,
-        arrival_key(request.request_id, len(request.resume_token_ids)),
-        request.adapter,
-        prefix_head(request.adapter, request.prompt_token_ids),
-        frozenset(request.avoid_replicas),
-        request.migrated_from,
-        getattr(request, "n", 1),
-    )
+def key_of(pending: PendingRequest | None) -> RoutingKey:
+    """The routing key of the call's first argument (LoraReplica.generate's GenerateRequest)."""
+    return routing_key_of(pending.args[0] if pending is not None and pending.args else None)
 
 
 class ConsolidatingRouter(RequestRouter):
@@ -212,7 +173,7 @@ class ConsolidatingRouter(RequestRouter):
         self._queue.set(sum(not p.future.done() for p in self._pending_requests_to_fulfill))
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         views = [self._view(r) for r in candidate_replicas]
-        need = need_of(pending_request, self.policy)
+        need = key_of(pending_request)
         order = rank(views, need, self.policy)
         log.debug(
             "route %s: candidates %s -> %s",
@@ -232,7 +193,7 @@ class ConsolidatingRouter(RequestRouter):
         chosen = self._chosen.pop(id(pending_request), None)
         if chosen is None or chosen[0] != rid:  # sent to a later rank: count it there instead
             self._uncount(chosen)
-            chosen = (rid, self._entry(need_of(pending_request, self.policy)))
+            chosen = (rid, self._entry(key_of(pending_request)))
             self._sent[rid].append(chosen[1])
         self._routed_ids[pending_request.metadata.internal_request_id] = chosen
         horizon = time.time() - ARRIVALS_WINDOW_S  # choices never reported routed (rejected, cancelled)
@@ -269,20 +230,19 @@ class ConsolidatingRouter(RequestRouter):
             self._ended.pop(rid, None)
         self._routed_ids = {k: c for k, c in self._routed_ids.items() if c[0] not in gone}
         if gone:  # stopped by a scale-down (or dead): streams still on them move now
-            for listener in _leaving_listeners:
-                listener(gone)
+            replicas_left(gone)
 
     def _count_busy_releases(self, gone: set[str]) -> None:
         """A replica that left holding requests this router sent it, not seen dead: released busy."""
         for rid in gone - self._died:
             cut = sum(1 for r, _ in self._routed_ids.values() if r == rid)
             if cut:
-                _busy_releases.append((time.time(), rid, cut))
+                record_busy_release(rid, cut)
                 self._busy_releases.inc()
                 log.warning("replica %s left the running set with %d request(s) routed to it unfinished", rid, cut)
         self._died -= gone
 
-    def _entry(self, need: Need) -> tuple[float, str, int, int]:
+    def _entry(self, need: RoutingKey) -> tuple[float, str, int, int]:
         return time.time(), need.key, need.blocks(self.policy.block_size), need.rows
 
     def _uncount(self, chosen: tuple[str, tuple[float, str, int, int]] | None) -> None:

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 from app.openai.client_stream import MigrationPolicy, ResubmittingStream
+from app.openai.live_streams import LiveStreams
 from app.protocol import ErrorChunk, GenerateRequest, Migrate, TokenChunk, is_final
 
 _END = object()
@@ -106,11 +107,13 @@ class Choices:
         self.streams = streams
 
     @classmethod
-    async def open(cls, submit: Callable, request: GenerateRequest, policy: MigrationPolicy) -> Choices:
+    async def open(
+        cls, submit: Callable, request: GenerateRequest, policy: MigrationPolicy, live: LiveStreams
+    ) -> Choices:
         """Validation errors raise here (once the replica rejected the request), before any HTTP response."""
         shared = _SharedCall(submit, request)
         streams = [
-            ResubmittingStream(shared.submitter(request.index + j), _alone(request, j), policy)
+            ResubmittingStream(shared.submitter(request.index + j), _alone(request, j), policy, live)
             for j in range(request.n)
         ]
         opened = await asyncio.gather(*(s.start() for s in streams), return_exceptions=True)

@@ -18,7 +18,8 @@ position, so the output equals the uninterrupted one token for token; an item ma
 several tokens, and the resubmission counts exactly the tokens of the items relayed. Each
 request moves at most ``max_migrations`` times, then ends with an explicit error.
 
-The router tells this module which replicas left through ``cluster.router.on_replicas_leaving``.
+The router tells which replicas left through the ingress's LiveStreams
+(app/openai/live_streams.py), where each stream is listed under the replica serving it.
 Leaving the relay early (client gone, error) cancels the replica call, which aborts the
 request in the engine and frees its KV blocks.
 """
@@ -40,9 +41,9 @@ from ray.serve.metrics import Counter
 
 from app.errors import LoraplexError, OverloadedError
 from app.openai.http_errors import error_body, error_response
+from app.openai.live_streams import LiveStreams
 from app.openai.responses import Formatter, Output, best, sse
 from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, TokenChunk, is_final
-from cluster.router import on_replicas_leaving
 
 log = logging.getLogger("ray.serve")
 
@@ -67,28 +68,19 @@ def replica_submit(generate, adapter, epoch: int) -> Callable:
     return lambda request: generate.remote(request, adapter, epoch)
 
 
-_live: dict[str, set[ResubmittingStream]] = {}  # replica id → streams it serves (this process)
 _migrations = Counter("loraplex_migrations", "requests moved to another replica, by reason", tag_keys=("reason",))
-
-
-def replicas_leaving(replica_ids: set[str]) -> None:
-    """The router (on its own event loop) saw replicas leave the running set: their streams move."""
-    for rid in replica_ids:
-        for stream in list(_live.get(rid, ())):
-            stream.loop.call_soon_threadsafe(stream.stop)
-
-
-on_replicas_leaving(replicas_leaving)
 
 
 class ResubmittingStream:
     """What the ingress relays (`chunks()`): TokenChunks, or a final ErrorChunk."""
 
-    def __init__(self, submit: Callable, request: GenerateRequest, policy: MigrationPolicy):
-        """submit(GenerateRequest) → the replica's DeploymentResponseGenerator."""
+    def __init__(self, submit: Callable, request: GenerateRequest, policy: MigrationPolicy, live: LiveStreams):
+        """submit(GenerateRequest) → the replica's DeploymentResponseGenerator; live: where it is
+        listed under its replica while connected, so that the replica leaving stops it."""
         self.submit = submit
         self.request = request
         self.policy = policy
+        self.live = live
         self.token_ids: list[int] = []  # relayed to the client
         self.text_chars = 0
         self.moves: list[tuple[str, int]] = []  # (reason, tokens relayed) per move
@@ -101,9 +93,11 @@ class ResubmittingStream:
         self._first = None
 
     @classmethod
-    async def open(cls, submit: Callable, request: GenerateRequest, policy: MigrationPolicy) -> ResubmittingStream:
+    async def open(
+        cls, submit: Callable, request: GenerateRequest, policy: MigrationPolicy, live: LiveStreams
+    ) -> ResubmittingStream:
         """Validation errors (a LoraplexError) raise here, before any HTTP response starts."""
-        stream = cls(submit, request, policy)
+        stream = cls(submit, request, policy, live)
         await stream.start()
         return stream
 
@@ -188,7 +182,7 @@ class ResubmittingStream:
             raise TypeError(f"a replica stream must open with Accepted, not {type(accepted).__name__}")
         self.replica = accepted.replica_id
         self.stopping = False
-        _live.setdefault(self.replica, set()).add(self)
+        self.live.add(self.replica, self)
         first = await self._read()
         if isinstance(first, LoraplexError):  # rejected: bad input, not a replica failure
             self._release(cancel=True)
@@ -232,7 +226,7 @@ class ResubmittingStream:
 
     def _release(self, cancel: bool) -> None:
         if self.replica is not None:
-            _live.get(self.replica, set()).discard(self)
+            self.live.discard(self.replica, self)
         if self._generator is not None and cancel:
             self._generator.cancel()
         self._generator = None

@@ -39,6 +39,7 @@ from app.openai.client_stream import (
     sse_events,
     with_fixed_seed,
 )
+from app.openai.live_streams import LiveStreams
 from app.openai.requests import ChatCompletionRequest, CompletionRequest
 from app.openai.responses import Formatter
 from app.openai.responses_api import ResponseRun, ResponseStore, collect_response, stream_events
@@ -48,6 +49,7 @@ from app.openai.tool_calls.choice import ToolPlan, ToolSupport
 from app.protocol import GenerateRequest
 from app.serving.config import Settings
 from app.serving.registry import AdapterSpec
+from cluster.leaving import register_streams
 
 api = FastAPI(title="loraplex", description="OpenAI-compatible multi-LoRA serving")
 http_errors.install(api)
@@ -88,6 +90,9 @@ class Ingress:
         self.auth = Auth(settings.api_keys, settings.admin_key, loopback=host is None or is_loopback(host))
         self.generate_on_replica = replica.options(stream=True).generate
         self.migration = MigrationPolicy(settings.max_migrations, settings.failover_wait_s)
+        # the replica handle's routers run in this process: they tell these streams of replicas leaving
+        self.live_streams = LiveStreams()
+        register_streams(self.live_streams)
         self.replica = replica
         self._prepare_pool = ThreadPoolExecutor(_PREPARE_THREADS, thread_name_prefix="prepare")
         self._local = threading.local()  # one tokenizer per pool thread: HF tokenizers are not re-entrant
@@ -165,7 +170,7 @@ class Ingress:
         submit = replica_submit(self.generate_on_replica, adapter, epoch)
         # validation errors raise here, before any bytes go out; later each choice moves between replicas
         opener = Choices.open if request.n > 1 else ResubmittingStream.open
-        return request_id, request, await opener(submit, request, self.migration)
+        return request_id, request, await opener(submit, request, self.migration, self.live_streams)
 
     # -- the Responses API (app/openai/responses_api.py) and vLLM's token routes -------------------
     @api.post("/v1/responses")

@@ -3,7 +3,7 @@ ramp up then down and to zero and back, an idle replica behind a busy newer one 
 stop the busy one: nothing goes until it has emptied), no flapping under steady load, and the
 engine's series on Ray's Prometheus endpoint. Each event is forced (streams held open until
 the replica they wait for serves); the property asserted is that Serve released only idle
-replicas: the routers of this process saw no release cut a request (cluster.router
+replicas: the routers of this process saw no release cut a request (cluster.leaving
 busy_releases) and no stream moved.
 
 Replicas run the simulated engine core (benchmarks/simulated_engine.py: the real scheduler, a
@@ -26,7 +26,7 @@ import pytest
 
 from app.protocol import GenerateRequest, SamplingParams, TokenChunk
 from benchmarks.simulated_engine import StepTime
-from cluster.router import busy_releases
+from cluster.leaving import busy_releases
 from tests.support.app_fixtures import delete_apps, shared_serve, wait_for
 from tests.support.autoscaling_checks import complete, deploy, expected_text, in_threads, joined
 from tests.support.replica_watch import ReplicaWatch

@@ -16,6 +16,7 @@ from app.serving.config import parse_args
 from app.serving.replica import LoraReplica, ReplicaSettings
 from benchmarks.simulated_engine import StepTime, simulated_engine, simulated_token
 from tests.support.app_fixtures import config_args
+from tests.support.cluster_checks import live_streams
 
 STEP = StepTime(0.05)
 FAST_METRICS = {"metrics_interval_s": 0.25, "look_back_period_s": 1.0}
@@ -61,7 +62,10 @@ def complete(app: str, prompt: list[int], max_tokens: int, adapter: str | None =
             adapter,
         )
         stream = await ResubmittingStream.open(
-            lambda r: handle.generate.remote(r, None, 0), request, MigrationPolicy(max_migrations=4, failover_wait_s=30)
+            lambda r: handle.generate.remote(r, None, 0),
+            request,
+            MigrationPolicy(max_migrations=4, failover_wait_s=30),
+            live_streams(),
         )
         text, tokens, routed = "", 0, [(time.time(), stream.replica)]
         async for chunk in stream.chunks():

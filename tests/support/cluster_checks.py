@@ -7,12 +7,22 @@ import torch
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.openai.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
+from app.openai.live_streams import LiveStreams
 from app.protocol import GenerateRequest, SamplingParams, TokenChunk
+from cluster.leaving import register_streams
 from tests.support.app_fixtures import wait_for
 from tests.support.cluster_fixtures import replica_ids, replica_report
 
 ADAPTERS = ("a1", "a2")
 POLICY = MigrationPolicy(max_migrations=32, failover_wait_s=60)
+_LIVE = LiveStreams()
+
+
+def live_streams() -> LiveStreams:
+    """The client streams of this test process, registered with its routers (as the ingress
+    registers its own): the tests' streams move when their replica leaves."""
+    register_streams(_LIVE)
+    return _LIVE
 
 
 class Reference:
@@ -80,7 +90,7 @@ def submit_to(app, specs):
 
 async def client_stream(submit, request, on_chunk=None, policy=POLICY, leave_at=None):
     """The chunks one client sees; it hangs up after ``leave_at`` tokens if given."""
-    stream = await ResubmittingStream.open(submit, request, policy)
+    stream = await ResubmittingStream.open(submit, request, policy, live_streams())
     chunks = []
     relay = stream.chunks()
     async for chunk in relay:

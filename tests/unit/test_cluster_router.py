@@ -1,14 +1,19 @@
 """The routing policy and the migration bounds, without Ray Serve running."""
 
 import asyncio
+import threading
+from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import ActorDiedError
 
 from app.openai.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
+from app.openai.live_streams import LiveStreams
 from app.protocol import Accepted, ErrorChunk, GenerateRequest, Migrate, SamplingParams, TokenChunk
-from cluster.router import Need, Policy, ReplicaView, rank
-from cluster.stats import ReplicaStats
+from cluster.leaving import register_streams
+from cluster.router import Policy, ReplicaView, key_of, rank
+from cluster.routing_key import RoutingKey
+from cluster.stats import ReplicaStats, arrival_key, prefix_head
 
 POLICY = Policy(reserve_blocks=1, max_batch=4, block_size=16)
 
@@ -27,7 +32,7 @@ def test_busiest_with_room_first_then_oldest_and_the_newest_last():
         ReplicaView("d", stats(4, started=0)),
         ReplicaView("e", stats(0, started=3)),
     ]
-    assert rank(views, Need(10), POLICY) == ["b", "c", "a", "e"]  # d is full
+    assert rank(views, RoutingKey(10), POLICY) == ["b", "c", "a", "e"]  # d is full
 
 
 def test_the_replica_a_scale_down_stops_first_is_fed_only_when_no_other_has_room():
@@ -36,17 +41,17 @@ def test_the_replica_a_scale_down_stops_first_is_fed_only_when_no_other_has_room
         ReplicaView("old", stats(1, started=5.0), position=0),
         ReplicaView("new", stats(3, started=1.0), position=1),
     ]
-    assert rank(views, Need(10), POLICY) == ["old", "new"]  # busier, but Ray would stop it: it empties
+    assert rank(views, RoutingKey(10), POLICY) == ["old", "new"]  # busier, but Ray would stop it: it empties
     full = [ReplicaView("old", stats(4), position=0), views[1]]
-    assert rank(full, Need(10), POLICY) == ["new"]
+    assert rank(full, RoutingKey(10), POLICY) == ["new"]
     draining = [views[0], ReplicaView("new", stats(3, draining=True), position=1)]
-    assert rank(draining, Need(10), POLICY) == ["old"]
-    assert rank(views[:1], Need(10), POLICY) == ["old"]  # alone: nothing to stop
+    assert rank(draining, RoutingKey(10), POLICY) == ["old"]
+    assert rank(views[:1], RoutingKey(10), POLICY) == ["old"]  # alone: nothing to stop
 
 
 def test_counts_what_was_sent_since_the_report():
     views = [ReplicaView("a", stats(2, started=0), sent=2), ReplicaView("b", stats(1, started=1))]
-    assert rank(views, Need(10), POLICY) == ["b"]
+    assert rank(views, RoutingKey(10), POLICY) == ["b"]
 
 
 def test_kv_room_includes_prompt_and_reserve():
@@ -56,8 +61,8 @@ def test_kv_room_includes_prompt_and_reserve():
         ReplicaView("b", stats(0, free=10, started=5)),
         ReplicaView("c", stats(2, free=6), sent=1, sent_blocks=3),
     ]
-    assert rank(views, Need(40), POLICY) == ["b"]
-    assert rank([ReplicaView("a", stats(3, free=4))], Need(40), POLICY) == ["a"]
+    assert rank(views, RoutingKey(40), POLICY) == ["b"]
+    assert rank([ReplicaView("a", stats(3, free=4))], RoutingKey(40), POLICY) == ["a"]
 
 
 def test_a_request_of_n_choices_needs_n_rows_and_a_tail_block_per_further_choice():
@@ -67,8 +72,8 @@ def test_a_request_of_n_choices_needs_n_rows_and_a_tail_block_per_further_choice
         ReplicaView("b", stats(1, free=5, started=1)),
         ReplicaView("c", stats(1, free=6, started=2)),
     ]
-    assert rank(views, Need(40, rows=3), POLICY) == ["c"]
-    assert rank([ReplicaView("new", None, sent=2)], Need(10, rows=3), POLICY) == []  # 2 sent + 3 > 4
+    assert rank(views, RoutingKey(40, rows=3), POLICY) == ["c"]
+    assert rank([ReplicaView("new", None, sent=2)], RoutingKey(10, rows=3), POLICY) == []  # 2 sent + 3 > 4
 
 
 def test_resident_adapter_breaks_ties_draining_and_avoided_get_nothing():
@@ -77,20 +82,31 @@ def test_resident_adapter_breaks_ties_draining_and_avoided_get_nothing():
         ReplicaView("b", stats(2, started=0, adapters=["x"])),
         ReplicaView("c", stats(3, draining=True)),
     ]
-    assert rank(views, Need(5, adapter="x"), POLICY) == ["b", "a"]
-    assert rank(views, Need(5, adapter="x", avoid=frozenset({"b"})), POLICY) == ["a"]
+    assert rank(views, RoutingKey(5, adapter="x"), POLICY) == ["b", "a"]
+    assert rank(views, RoutingKey(5, adapter="x", avoid=frozenset({"b"})), POLICY) == ["a"]
 
 
 def test_migration_source_only_when_nothing_else_has_room():
     views = [ReplicaView("a", stats(3, started=0)), ReplicaView("b", stats(0, started=1))]
-    assert rank(views, Need(5, migrated_from="a"), POLICY) == ["b"]
-    assert rank(views[:1], Need(5, migrated_from="a"), POLICY) == ["a"]
+    assert rank(views, RoutingKey(5, migrated_from="a"), POLICY) == ["b"]
+    assert rank(views[:1], RoutingKey(5, migrated_from="a"), POLICY) == ["a"]
 
 
 def test_unreported_replica_ranks_as_newest_empty():
     views = [ReplicaView("new", None), ReplicaView("old", stats(0, started=0))]
-    assert rank(views, Need(5), POLICY) == ["old", "new"]
-    assert rank([ReplicaView("new", None, sent=4)], Need(5), POLICY) == []
+    assert rank(views, RoutingKey(5), POLICY) == ["old", "new"]
+    assert rank([ReplicaView("new", None, sent=4)], RoutingKey(5), POLICY) == []
+
+
+def test_a_request_routes_by_its_own_key_and_anything_else_by_the_minimal_one():
+    prompt = tuple(range(40))
+    request = GenerateRequest(
+        "r", prompt, adapter="t", resume_token_ids=(7, 8), avoid_replicas=("a",), migrated_from="b", n=3
+    )
+    want = RoutingKey(43, arrival_key("r", 2), "t", prefix_head("t", prompt), frozenset({"a"}), "b", 3)
+    assert key_of(SimpleNamespace(args=[request])) == want
+    duck = SimpleNamespace(prompt_token_ids=prompt, routing_key=None)  # not a Routed request
+    assert key_of(SimpleNamespace(args=[duck])) == key_of(SimpleNamespace(args=[])) == key_of(None) == RoutingKey()
 
 
 def test_sent_requests_count_until_the_report_lists_their_arrival():
@@ -111,7 +127,51 @@ def test_stats_round_trip_and_unknown():
     assert ReplicaStats.from_dict({}) is None and ReplicaStats.from_dict({"running": 1}) is None
 
 
+def test_the_router_serve_ships_tells_this_process_registered_streams():
+    """Serve pickles the router's module by value (its globals are copies): what it calls on
+    replicas leaving must still reach the object registered in this process."""
+    from ray.serve.config import RequestRouterConfig
+
+    shipped = RequestRouterConfig(request_router_class="cluster.router:ConsolidatingRouter").get_request_router_class()
+    told = []
+
+    class Streams:
+        def replicas_leaving(self, replica_ids):
+            told.append(replica_ids)
+
+    register_streams(Streams())
+    try:
+        shipped.update_replicas.__globals__["replicas_left"]({"a"})
+    finally:
+        register_streams(None)
+    assert told == [{"a"}]
+
+
 # -- ResubmittingStream against scripted replicas ------------------------------------
+
+
+def test_replicas_leaving_stops_their_streams_on_their_own_loop():
+    live, stopped = LiveStreams(), []
+
+    async def go():
+        loop = asyncio.get_running_loop()
+
+        class Stream:  # as a ResubmittingStream: its loop and stop()
+            def __init__(self, name):
+                self.loop, self.name = loop, name
+
+            def stop(self):
+                stopped.append((self.name, threading.get_ident()))
+
+        streams = {name: Stream(name) for name in "abcd"}
+        for name, replica in zip("abcd", "AABA"):
+            live.add(replica, streams[name])
+        live.discard("A", streams["d"])  # its call ended: not listed any more
+        # a router calls from its own thread; stop() is queued on this loop before the call returns
+        await loop.run_in_executor(None, live.replicas_leaving, {"A", "Z"})
+
+    asyncio.run(go())
+    assert sorted(stopped) == [("a", threading.get_ident()), ("b", threading.get_ident())]
 
 
 class _Script:
@@ -149,7 +209,7 @@ def _run(scripts, policy=MigrationPolicy(max_migrations=3, failover_wait_s=0.2))
         return scripts.pop(0)
 
     async def go():
-        stream = await ResubmittingStream.open(submit, _request(), policy)
+        stream = await ResubmittingStream.open(submit, _request(), policy, LiveStreams())
         return [c async for c in stream.chunks()]
 
     return asyncio.run(go()), submitted

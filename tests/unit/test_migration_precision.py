@@ -17,7 +17,8 @@ import random
 import pytest
 import torch
 
-from app.openai.client_stream import MigrationPolicy, ResubmittingStream, replicas_leaving, with_fixed_seed
+from app.openai.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
+from app.openai.live_streams import LiveStreams
 from app.protocol import Accepted, GenerateRequest, SamplingParams, TokenChunk
 from ops import paged_reference as ref
 from tests.support.cluster_checks import ADAPTERS, Reference, assert_same, make_requests
@@ -76,8 +77,8 @@ class _Replica:
     """A replica's stream of the output after `resumed` tokens, two tokens per item (coalesced);
     before returning item `stop_at` it lets the router see its replica leave, `how` decides when."""
 
-    def __init__(self, rid, resumed, stop_at=None, how=None):
-        self.rid, self.cancelled = rid, False
+    def __init__(self, live, rid, resumed, stop_at=None, how=None):
+        self.live, self.rid, self.cancelled = live, rid, False
         rest = TRUE[resumed:]
         self.items = [Accepted(rid)] + [
             TokenChunk(
@@ -90,7 +91,7 @@ class _Replica:
     async def __anext__(self):
         item = self.items.pop(0)
         if self.served == self.stop_at:
-            replicas_leaving({self.rid})  # stop() is queued on this loop
+            self.live.replicas_leaving({self.rid})  # stop() is queued on this loop
             if self.how == "while_in_flight":  # stop() cancels this read: the item is never relayed
                 await asyncio.sleep(0)
             # "as_it_lands": the item is returned first, then stop() finds the read already done
@@ -104,22 +105,22 @@ class _Replica:
 @pytest.mark.parametrize("how", ["while_in_flight", "as_it_lands", "between_items"])
 def test_a_stop_racing_an_item_resubmits_exactly_the_relayed_tokens(how):
     request = with_fixed_seed(GenerateRequest("r", (1, 2), SamplingParams(max_tokens=len(TRUE), temperature=0.9)))
-    submitted, replicas = [], []
+    submitted, replicas, live = [], [], LiveStreams()
 
     def submit(r):
         submitted.append(r)
         first = not replicas
         stop_at = 3 if first and how != "between_items" else None  # the 3rd item after Accepted
-        replicas.append(_Replica("AB"[len(replicas)], len(r.resume_token_ids), stop_at, how))
+        replicas.append(_Replica(live, "AB"[len(replicas)], len(r.resume_token_ids), stop_at, how))
         return replicas[-1]
 
     async def go():
-        stream = await ResubmittingStream.open(submit, request, MigrationPolicy(max_migrations=2))
+        stream = await ResubmittingStream.open(submit, request, MigrationPolicy(max_migrations=2), live)
         got = []
         async for chunk in stream.chunks():
             got.append(chunk)
             if how == "between_items" and len(got) == 2:
-                replicas_leaving({"A"})
+                live.replicas_leaving({"A"})
                 await asyncio.sleep(0)  # stop() runs before the next read
         return stream, got
 

@@ -16,6 +16,7 @@ from app.errors import InvalidRequestError
 from app.openai.choice_streams import Choices
 from app.openai.client_stream import MigrationPolicy, collect, sse_events, with_fixed_seed
 from app.openai.http_errors import parse_json
+from app.openai.live_streams import LiveStreams
 from app.openai.requests import ChatCompletionRequest, CompletionRequest
 from app.openai.responses import Formatter
 from app.protocol import Accepted, GenerateRequest, Migrate, SamplingParams, TokenChunk, choice_seed
@@ -62,7 +63,7 @@ def _run(scripts, n=3, leave_after=None):
 
     async def go():
         request = with_fixed_seed(GenerateRequest("r", (1, 2, 3), SamplingParams(max_tokens=9), n=n))
-        choices = await Choices.open(submit, request, POLICY)
+        choices = await Choices.open(submit, request, POLICY, LiveStreams())
         out = []
         async with aclosing(choices.chunks()) as relayed:  # as the ingress relays it
             async for c in relayed:
@@ -274,7 +275,7 @@ def test_choices_moved_by_the_ingress_equal_their_seeds_alone(tiny_model_dir):
         return _Call(small, r)
 
     async def go():
-        choices = await Choices.open(submit, request, POLICY)
+        choices = await Choices.open(submit, request, POLICY, LiveStreams())
         async with aclosing(choices.chunks()) as relayed:
             return [c async for c in relayed]
 

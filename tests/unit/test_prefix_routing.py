@@ -7,7 +7,8 @@ import random
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
 from app.protocol import GenerateRequest, SamplingParams
-from cluster.router import Need, Policy, ReplicaView, need_of, rank
+from cluster.router import Policy, ReplicaView, key_of, rank
+from cluster.routing_key import RoutingKey
 from cluster.stats import HEAD_TOKENS, ReplicaStats, prefix_head
 from tests.support.helpers import run_to_completion
 
@@ -26,12 +27,12 @@ def test_a_warm_prefix_breaks_ties_before_age_but_never_beats_a_busier_replica()
         ReplicaView("cold", stats(1, started=1, heads=["other"])),
         ReplicaView("newest", stats(0, started=10)),  # a scale-down stops it first: fed last (cluster/router.py)
     ]
-    assert rank(views, Need(40, adapter="t", head=HEAD), POLICY) == ["warm", "old", "cold", "newest"]
-    assert rank(views, Need(40, adapter="t"), POLICY) == ["old", "cold", "warm", "newest"]  # no head: age decides
+    assert rank(views, RoutingKey(40, adapter="t", head=HEAD), POLICY) == ["warm", "old", "cold", "newest"]
+    assert rank(views, RoutingKey(40, adapter="t"), POLICY) == ["old", "cold", "warm", "newest"]  # no head: age decides
     busier = [ReplicaView("busy", stats(2, started=9)), *views]
-    assert rank(busier, Need(40, adapter="t", head=HEAD), POLICY)[0] == "busy"  # consolidation first
+    assert rank(busier, RoutingKey(40, adapter="t", head=HEAD), POLICY)[0] == "busy"  # consolidation first
     full = [ReplicaView("warm", stats(4, heads=[HEAD])), ReplicaView("old", stats(0))]
-    assert rank(full, Need(40, adapter="t", head=HEAD), POLICY) == ["old"]  # no room: elsewhere
+    assert rank(full, RoutingKey(40, adapter="t", head=HEAD), POLICY) == ["old"]  # no room: elsewhere
 
 
 def test_the_head_names_adapter_and_first_tokens_only():
@@ -43,7 +44,7 @@ def test_the_head_names_adapter_and_first_tokens_only():
     class Pending:
         args = (GenerateRequest("x", prompt, adapter="t"),)
 
-    assert need_of(Pending(), POLICY).head == prefix_head("t", prompt)
+    assert key_of(Pending()).head == prefix_head("t", prompt)
 
 
 def test_an_engine_reports_the_heads_it_admitted_most_recently(tiny_model_dir):

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+from app.protocol import GenerateRequest
 from cluster.router import ConsolidatingRouter
 from cluster.stats import ARRIVALS_WINDOW_S, ReplicaStats, arrival_key
 
@@ -36,12 +37,8 @@ def _report(replica, held, arrivals=(), departures=()):
 
 def _offered(router, replica, i) -> bool:
     """Whether request i is offered the replica (and if so, it is routed there)."""
-    request = SimpleNamespace(
-        request_id=f"r{i}", prompt_token_ids=[1, 2, 3], resume_token_ids=[], adapter=None,
-        avoid_replicas=(), migrated_from=None, n=1,
-    )  # fmt: skip
     pending = SimpleNamespace(
-        args=[request], metadata=SimpleNamespace(internal_request_id=f"i{i}"),
+        args=[GenerateRequest(f"r{i}", (1, 2, 3))], metadata=SimpleNamespace(internal_request_id=f"i{i}"),
         routing_context=SimpleNamespace(should_backoff=False), created_at=time.time(),
     )  # fmt: skip
     order = asyncio.run(router.choose_replicas([replica], pending))

@@ -14,7 +14,8 @@ import torch
 from app.engine.async_engine import AsyncEngine
 from app.engine.config import EngineConfig
 from app.engine.factory import build_engine
-from app.openai.client_stream import MigrationPolicy, ResubmittingStream, replicas_leaving, with_fixed_seed
+from app.openai.client_stream import MigrationPolicy, ResubmittingStream, with_fixed_seed
+from app.openai.live_streams import LiveStreams
 from app.protocol import Accepted, GenerateRequest, SamplingParams, TokenChunk, coalesce, is_final
 from benchmarks.simulated_engine import SimulatedCore, StepTime
 from tests.support.cluster_fixtures import make_tiny_chat_llama
@@ -212,7 +213,10 @@ def test_a_move_in_the_middle_of_a_coalesced_item_resumes_exactly(model, alone, 
         return _Call(rid, engines[rid], r)
 
     async def go():
-        stream = await ResubmittingStream.open(submit, request, MigrationPolicy(max_migrations=2, failover_wait_s=5))
+        live = LiveStreams()
+        stream = await ResubmittingStream.open(
+            submit, request, MigrationPolicy(max_migrations=2, failover_wait_s=5), live
+        )
         items = stream.chunks()
         got = [await items.__anext__()]
         # A holds 7 tokens past the first, unread, in the stream's pending items
@@ -220,7 +224,7 @@ def test_a_move_in_the_middle_of_a_coalesced_item_resumes_exactly(model, alone, 
         if how == "drain":
             await asyncio.wrap_future(engines["A"].drain())
         else:
-            replicas_leaving({"A"})
+            live.replicas_leaving({"A"})
         got += [item async for item in items]
         return stream, got
 
