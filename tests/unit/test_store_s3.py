@@ -79,15 +79,22 @@ def test_reupload_then_reregister_serves_new_weights(tmp_path, s3, shape, store,
     assert store.peek("a") is new and store.get("a") is new  # never the stale host copy
 
 
-def test_reupload_during_download_is_detected(tmp_path, s3, shape, store):
+def test_reupload_during_download_is_detected(tmp_path, s3, shape):
     bucket = s3.bucket("racing")
     v1, v2 = (write_adapter(tmp_path / f"v{i}", shape, seed=i) for i in (1, 2))
-    store.register("a", upload_dir(s3.client, bucket, "a", v1))
-    # The new upload lands between the store's HEAD (version resolved) and its GET.
-    s3.proxy.state.fault = Fault("pass", times=1, before=lambda: upload_dir(s3.client, bucket, "a", v2))
-    with pytest.raises(SourceChangedError):
-        store.get("a")
-    assert_same_weights(store.get("a"), load_local("a", v2, 16, shape))  # re-resolved, never mixed
+    # The new upload lands between the store's HEAD (version resolved) and its GET, while the proxy
+    # holds that GET: one attempt and no read timeout to speak of, or a slow upload would let a retried
+    # GET through before it and read v1 whole
+    s3_cfg = S3Config(endpoint_url=s3.proxy.url, read_timeout_s=300.0, max_attempts=1)
+    store = AdapterStore(shape, store_config(s3.proxy.url, tmp_path, s3=s3_cfg))
+    try:
+        store.register("a", upload_dir(s3.client, bucket, "a", v1))
+        s3.proxy.state.fault = Fault("pass", times=1, before=lambda: upload_dir(s3.client, bucket, "a", v2))
+        with pytest.raises(SourceChangedError):
+            store.get("a")
+        assert_same_weights(store.get("a"), load_local("a", v2, 16, shape))  # re-resolved, never mixed
+    finally:
+        store.close()
 
 
 def test_boto3_conventions_env_endpoint_and_profile(tmp_path, s3, shape, monkeypatch):
