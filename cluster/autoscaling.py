@@ -59,6 +59,7 @@ class PolicyConfig:
     min_idle_replicas: int = 0  # warm spares beyond the demand (replica-seconds for tail latency)
     trend_window_s: float = 20.0  # the demand's slope is fitted over this window
     upscale_lead_s: float = 10.0  # how far ahead the trend is followed: about a replica's start time
+    max_batch: int = 1  # one replica's batch until a report says (the deployment's max_batch_size)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def decide(
     # look_back_period_s, so a request that waited less than half of it is no queue. An
     # engine's waiting requests count when its batch or KV is full: with room they are just
     # requests that arrived since its last step.
-    max_batch = max((r.max_batch for r in live), default=1)
+    max_batch = max((r.max_batch for r in live), default=cfg.max_batch)
     # a replica that runs but has not reported yet has just started: its whole batch is room
     room = sum(max(0, r.max_batch - r.running - r.waiting) for r in live) + unreported * max_batch
     held = math.floor(queued + 0.5)
@@ -271,11 +272,12 @@ def _since(state: dict, key: str, condition: bool, now: float) -> float:
     return now - state[key]
 
 
-def ray_autoscaling_config(user: dict) -> dict:
+def ray_autoscaling_config(user: dict, max_batch: int = 1) -> dict:
     """serve_config.yaml's `replica.autoscaling_config` → what Ray Serve gets. Without a
     `policy` of its own the deployment uses ConsolidatingPolicy: the delays and the policy's
-    keys move into its kwargs and Ray's delay timer is zeroed, so they are not applied twice.
-    A config that names a policy (e.g. Ray's default) is passed through untouched."""
+    keys move into its kwargs (with the replicas' ``max_batch``, their room before the first
+    report) and Ray's delay timer is zeroed, so they are not applied twice. A config that names
+    a policy (e.g. Ray's default) is passed through untouched."""
     if "policy" in user:
         return dict(user)
     if "busy_newer_wait_s" in user:
@@ -285,6 +287,7 @@ def ray_autoscaling_config(user: dict) -> dict:
         )
     config = {**DEFAULTS, **user}
     kwargs = {"upscale_delay_s": config.pop("upscale_delay_s"), "downscale_delay_s": config.pop("downscale_delay_s")}
+    kwargs["max_batch"] = max_batch
     for key in POLICY_KEYS:
         if key in config:
             kwargs[key] = config.pop(key)

@@ -157,7 +157,7 @@ def _replica_options(replica: DeploymentArgs, max_ongoing: int, cluster: Cluster
     runtime_env["env_vars"] = {**_REPLICA_ENV, **(runtime_env.get("env_vars") or {})}
     options["ray_actor_options"] = {**actor, "runtime_env": runtime_env}
     if "autoscaling_config" in options:
-        options["autoscaling_config"] = ray_autoscaling_config(options["autoscaling_config"])
+        options["autoscaling_config"] = ray_autoscaling_config(options["autoscaling_config"], engine.max_num_seqs)
     return options
 
 

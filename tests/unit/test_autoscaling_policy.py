@@ -187,6 +187,17 @@ def test_a_replica_started_from_zero_is_not_released_before_the_request_it_was_s
     assert (d.reason, d.target, d.going) == ("idle", 0, ("a",))
 
 
+def test_before_any_report_a_starting_replica_holds_the_deployments_batch():
+    # from zero, 6 requests wait while the first replica starts: it takes all six (batch 8), so the
+    # queue rule adds none; assuming a batch of 1 it asked for 5 more replicas
+    state, batch8 = {}, PolicyConfig(upscale_delay_s=2.0, downscale_delay_s=10.0, max_batch=8)
+    assert decide(0.0, 0, 0, [], 6.0, 0, 8, batch8, state).target == 1
+    assert all(decide(t, 1, 1, [], 6.0, 0, 8, batch8, state, unreported=1).target == 1 for t in (1.0, 3.0, 5.0))
+    state, batch1 = {}, PolicyConfig(upscale_delay_s=2.0, downscale_delay_s=10.0)
+    decide(0.0, 0, 0, [], 6.0, 0, 8, batch1, state)
+    assert max(decide(t, 1, 1, [], 6.0, 0, 8, batch1, state, unreported=1).target for t in (1.0, 3.0, 5.0)) == 6
+
+
 def test_no_scale_down_while_requests_wait_or_replicas_start_or_stop():
     idle = [load("a", running=8), load("b", idle_since=1.0)]
     assert decide(50.0, 2, 2, idle, 1, 0, 8, CFG, {}).target == 2  # something waits: b will get it
@@ -225,17 +236,21 @@ def test_config_moves_the_delays_into_the_policy():
     )
     assert ray["policy"] == {
         "policy_function": POLICY_PATH,
-        "policy_kwargs": {"upscale_delay_s": 0.5, "downscale_delay_s": 20},
+        "policy_kwargs": {"upscale_delay_s": 0.5, "downscale_delay_s": 20, "max_batch": 1},
     }
     assert ray["upscale_delay_s"] == ray["downscale_delay_s"] == 0.0 and "downscale_to_zero_delay_s" not in ray
     own = {"max_replicas": 4, "policy": {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}}
     assert ray_autoscaling_config(own) == own
-    options = parse_args({"replica": {"autoscaling_config": {"max_replicas": 2}}}, "m").replica_options
+    options = parse_args(
+        {"max_batch_size": 12, "replica": {"autoscaling_config": {"max_replicas": 2}}}, "m"
+    ).replica_options
     assert options["autoscaling_config"]["policy"]["policy_function"] == POLICY_PATH
+    assert options["autoscaling_config"]["policy"]["policy_kwargs"]["max_batch"] == 12  # room before a report
     keys = ray_autoscaling_config({"min_idle_replicas": 1, "upscale_lead_s": 30, "trend_window_s": 20})
     assert keys["policy"]["policy_kwargs"] == {
         "upscale_delay_s": 1.0,
         "downscale_delay_s": 30.0,
+        "max_batch": 1,
         "min_idle_replicas": 1,
         "trend_window_s": 20,
         "upscale_lead_s": 30,
