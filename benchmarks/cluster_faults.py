@@ -206,7 +206,7 @@ def main():
     a = ap.parse_args()
     import ray
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     from ray import serve
 
     serve.start()

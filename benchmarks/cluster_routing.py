@@ -160,7 +160,7 @@ def main():
         return
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     from ray import serve
 
     serve.start()

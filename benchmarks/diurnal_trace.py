@@ -241,7 +241,7 @@ def run_arms(selection: list[tuple[str, str]], time_scale: float) -> dict:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location="Disabled")  # the client is a DeploymentHandle: no HTTP proxy
     runs: dict = {}
     for name, arm in selection:

@@ -109,7 +109,7 @@ def main():
 
     root = pathlib.Path(tempfile.mkdtemp())
     model_dir, adapters = make_model(root)
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     from ray import serve
 
     serve.start()

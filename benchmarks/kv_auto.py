@@ -313,7 +313,7 @@ def serve_once(name: str, tiny: bool) -> None:
     path = root / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     log = root / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    env = os.environ | {"RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}  # a Ray of its own
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-c", SERVE_CLI, "run", str(path)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -120,7 +120,7 @@ def main():
 
     root = pathlib.Path(tempfile.mkdtemp(prefix="upgrade-"))
     old, new = make_tiny_chat_llama(root / "v1" / "model", seed=0), make_tiny_chat_llama(root / "v2" / "model", seed=1)
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     with socket.socket() as probe:  # a free port for Serve's proxy
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

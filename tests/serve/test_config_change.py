@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.app_fixtures import CONFIG, REPO, free_port, release_shared, wait_for
+from tests.support.app_fixtures import CONFIG, FRESH_RAY, REPO, free_port, release_shared, wait_for
 from tests.support.cluster_fixtures import make_tiny_chat_llama
 from tests.support.sse_client import errors, finish, start_streams
 
@@ -64,7 +64,7 @@ def _deploy(path, dashboard: str):
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = os.environ | FRESH_RAY
     # a local cluster of this test's own: the CLI reaches its dashboard without a token
     env.update(PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     return env

@@ -52,14 +52,20 @@ def healthy(url: str) -> bool:
         return False
 
 
+# A Ray started here is always a new local one: with no address, Ray joins the cluster named in
+# /tmp/ray/ray_current_cluster, which a multi-node Cluster (tests/serve/test_node_loss.py) writes, and
+# under `-n 2` the other worker's modules run beside this one's
+FRESH_RAY = {"RAY_ADDRESS": "local"}
+
+
 def start_serve_cli(command: str, log: Path):
-    """`command` (a `serve …` line) as a user starts it: a fresh local Ray (no RAY_ADDRESS), no usage
-    reports, output to ``log``, its own process group with SIGINT as in a terminal (a shell's
-    background job inherits it ignored): Ctrl-C must work. Returns the Popen."""
+    """`command` (a `serve …` line) as a user starts it: a fresh local Ray, no usage reports, output
+    to ``log``, its own process group with SIGINT as in a terminal (a shell's background job
+    inherits it ignored): Ctrl-C must work. Returns the Popen."""
     import signal
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    env = os.environ | FRESH_RAY | {"RAY_USAGE_STATS_ENABLED": "0"}
     with open(log, "w") as out:
         return subprocess.Popen(
             command.split(),
@@ -98,6 +104,7 @@ def shared_serve(env: dict[str, str] | None = None, num_cpus: int = SHARED_CPUS)
     release_shared()
     metrics_port = free_port()
     ray.init(
+        address=FRESH_RAY["RAY_ADDRESS"],
         num_cpus=key[1],
         include_dashboard=False,
         log_to_driver=False,
