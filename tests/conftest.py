@@ -46,24 +46,8 @@ _OWN_RAY_LAST = ("test_adapter_source_app.py", "test_app_s3.py", "test_app_serve
 _OWN_RAY_LAST += ("test_node_loss.py", "test_app_serve_cli.py")
 
 
-# Under `-n 2 --dist loadgroup` (the README's test command) a module runs whole on one worker, so
-# its module fixtures (a Serve app, a real checkpoint) start once, and each worker has a Ray of its
-# own (random ports). The modules that start a Ray outside the worker's (`serve run` on
-# serve_config.yaml's port, a multi-node Cluster) share one worker, one after another, and go first:
-# together they are the longest chain.
-_OUTSIDE_RAY = ("test_app_serve_run.py", "test_app_serve_cli.py", "test_config_change.py", "test_node_loss.py")
-
-
-def _xdist_group(item) -> str:
-    return "outside-ray" if item.path.name in _OUTSIDE_RAY else str(item.path.relative_to(item.config.rootpath))
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.path.name not in _OUTSIDE_RAY)
-    else:
-        items.sort(key=lambda item: item.path.name in _OWN_RAY_LAST)  # stable: the order within each group stays
+    items.sort(key=lambda item: item.path.name in _OWN_RAY_LAST)  # stable: the order within each group stays
     skip = (
         None
         if torch.cuda.is_available()
@@ -73,7 +57,6 @@ def pytest_collection_modifyitems(config, items):
         tier = _tier(item)
         if skip is not None and (tier == "gpu" or "gpu" in item.keywords):
             item.add_marker(skip)
-        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
         if tier == "serve":
             item.add_marker(pytest.mark.serve)
         elif tier == "unit" and isinstance(item, pytest.Function) and _starts_ray(item):
