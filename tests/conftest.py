@@ -6,8 +6,8 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
-# Serve's proxy has 5 s to report ready (three tries) before Serve gives up on it; two workers' Rays on
-# a loaded 2-core machine can miss that. Set before any Ray starts, so every Ray (and `serve run`) inherits it.
+# Serve's proxy has 5 s to report ready (three tries) before Serve gives up on it; on a 2-core machine
+# under a CPU hog it missed that. Set before any Ray starts, so every Ray (and `serve run`) inherits it.
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
 
 # The tiers are folders: tests/unit (no Ray; `slow` marks real checkpoints and kernel compiles),

@@ -53,8 +53,8 @@ def healthy(url: str) -> bool:
 
 
 # A Ray started here is always a new local one: with no address, Ray joins the cluster named in
-# /tmp/ray/ray_current_cluster, which a multi-node Cluster (tests/serve/test_node_loss.py) writes, and
-# under `-n 2` the other worker's modules run beside this one's
+# /tmp/ray/ray_current_cluster, which a multi-node Cluster (tests/serve/test_node_loss.py) or another
+# `ray start` on the machine writes
 FRESH_RAY = {"RAY_ADDRESS": "local"}
 
 
