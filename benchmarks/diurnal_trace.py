@@ -2,7 +2,7 @@
 twice in one go — Ray Serve's default request router + default autoscaling policy, then
 loraplex's consolidating router + consolidation-aware policy (cluster/).
 
-    python -m benchmarks.diurnal_trace            # both traces, every arm: ~15 minutes
+    python -m benchmarks.diurnal_trace            # both traces, every arm: ~25 minutes on 2 cores
     python -m benchmarks.diurnal_trace --plot-only
     python -m benchmarks.diurnal_trace --time-scale 0.1 --out /tmp/d.json   # a plumbing check
     # arms side by side, each in a process and Ray of its own on two cores of its own, then one result:
