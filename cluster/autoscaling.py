@@ -286,8 +286,11 @@ def ray_autoscaling_config(user: dict, max_batch: int = 1) -> dict:
             "newer one now waits for that one to empty (only idle replicas are released)"
         )
     config = {**DEFAULTS, **user}
-    kwargs = {"upscale_delay_s": config.pop("upscale_delay_s"), "downscale_delay_s": config.pop("downscale_delay_s")}
-    kwargs["max_batch"] = max_batch
+    kwargs = {
+        "upscale_delay_s": config.pop("upscale_delay_s"),
+        "downscale_delay_s": config.pop("downscale_delay_s"),
+        "max_batch": max_batch,
+    }
     for key in POLICY_KEYS:
         if key in config:
             kwargs[key] = config.pop(key)
